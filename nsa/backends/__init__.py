@@ -1,0 +1,1 @@
+"""GPU backends behind nsa.dispatch (triton, sdpa, fa2)."""

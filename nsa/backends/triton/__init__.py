@@ -1,0 +1,45 @@
+"""The ``triton`` backend: Triton kernels for the three NSA branches.
+
+Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (see ``nsa.env``), which is
+how CI tests every kernel at small shapes. Each operator keeps the reference's signature
+(``nsa.reference``): ``compressed`` (compressed attention + Eq. 9-12 top-n), ``selected``,
+``window``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import env
+from ...dispatch import Backend
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def unavailable(self, branch, device, dtype):
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return f"triton is not installed ({e})"
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype} unsupported (float16, bfloat16, float32)"
+        if device.type == "cuda":
+            return None
+        if device.type == "cpu" and env.triton_interpret():
+            return None
+        return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
+
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys):
+        from .compressed import compressed_branch
+        return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+
+    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
+        from .selection import selected_attention
+        return selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+
+    def window(self, q, k_win, v_win, config, *, scale, q_start):
+        from .window import sliding_window_attention
+        return sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+
+
+BACKEND = TritonBackend()

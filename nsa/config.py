@@ -1,0 +1,80 @@
+"""NSAConfig: the layer's shape and sparsity, validated at construction.
+
+Names follow the paper (Yuan et al., arXiv 2502.11089) and ``shared/nsa-spec.md``:
+l, d (compression block and stride, Eq. 7), l_sel and n_sel (selection, Eqs. 9-12), w (window),
+n_init / n_local (forced initial and most recent blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+PHI_CHOICES = ("mlp", "avg")
+
+
+@dataclass(frozen=True)
+class NSAConfig:
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    d_k: int
+    d_v: int
+    l: int = 32  # noqa: E741  (the paper's name)
+    d: int = 16
+    l_sel: int = 64
+    n_sel: int = 16
+    w: int = 512
+    n_init: int = 1
+    n_local: int = 2
+    phi: str = "mlp"
+    rope_base: float = 10000.0
+    gate_hidden: int = 64
+    phi_hidden: int = 0  # 0: 2 * head dim
+
+    def __post_init__(self):
+        def bad(field, rule):
+            raise ValueError(f"NSAConfig.{field}={getattr(self, field)!r}: {rule}")
+
+        for f in ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "l", "d", "l_sel", "n_sel", "w"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(f, "must be an integer")
+            if v < 1:
+                bad(f, "must be positive (>= 1)")
+        for f in ("n_init", "n_local", "gate_hidden", "phi_hidden"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(f, "must be an integer")
+            if v < 0:
+                bad(f, "must be non-negative (>= 0)")
+        if self.n_heads % self.n_kv_heads:
+            bad("n_heads", f"must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.l % self.d:
+            bad("l", f"must be a multiple of the stride d={self.d}")
+        if self.l_sel % self.d:
+            bad("l_sel", f"must be a multiple of the stride d={self.d}")
+        if self.n_sel < self.n_init + self.n_local:
+            bad("n_sel", f"must be >= n_init + n_local = {self.n_init + self.n_local}")
+        if self.phi not in PHI_CHOICES:
+            bad("phi", f"must be one of {PHI_CHOICES}")
+        if not (self.rope_base > 0):
+            bad("rope_base", "must be positive")
+
+    @property
+    def G(self) -> int:
+        """Query heads per key/value group."""
+        return self.n_heads // self.n_kv_heads
+
+    def n_cmp(self, T: int) -> int:
+        """Compressed tokens over T raw tokens: 0 if T < l else (T - l) // d + 1."""
+        return 0 if T < self.l else (T - self.l) // self.d + 1
+
+    def n_blocks(self, T: int) -> int:
+        """Selection blocks that hold at least one of T raw tokens."""
+        return -(-T // self.l_sel)
+
+    def decode_tokens_formula(self, S: int) -> int:
+        """Paper Table 4: key/value tokens read per decode step and group at context S."""
+        return self.n_cmp(S) + min(self.n_sel * self.l_sel, S) + min(self.w, S)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

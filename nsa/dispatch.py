@@ -1,0 +1,157 @@
+"""The one dispatch point: which backend runs each NSA branch, and a record of what really ran.
+
+A backend implements three branch operators with the reference's signatures
+(``nsa.reference.compressed_branch``, ``selected_attention``, ``sliding_window_attention``):
+
+* ``cmp``: compressed attention + selection scores + top-n -> ``(o_cmp, indices)``
+* ``sel``: selected attention given indices -> ``o_sel``
+* ``win``: sliding-window attention -> ``o_win``
+
+``backend`` arguments take a name (every branch) or a mapping ``{"cmp": .., "sel": .., "win": ..}``.
+A backend that cannot run a branch on the given device/dtype raises ``BackendUnavailable`` naming
+the branch, backend and reason. Only when the caller passes ``fallback="<name>"`` does the
+dispatch run that backend instead; it then warns once per (branch, backend, reason) and the
+fallback appears in the record. Nothing falls back silently.
+
+Record what ran::
+
+    with nsa.dispatch.record() as rec:
+        y = layer(x)
+    rec.ran        # {"cmp": "reference", "sel": "triton", "win": "sdpa"}
+    rec.fallbacks  # ["sel: triton -> reference (no CUDA device)"]
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from . import reference
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+class BackendUnavailable(RuntimeError):
+    """A requested backend cannot run a branch here (and no fallback was allowed)."""
+
+
+class Backend:
+    """Base class: the reference operators, available everywhere. Subclasses override."""
+
+    name = "reference"
+
+    def unavailable(self, branch: str, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None if this backend can run ``branch`` for tensors on device/dtype, else the reason."""
+        return None
+
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys):
+        return reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+
+    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
+        return reference.selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+
+    def window(self, q, k_win, v_win, config, *, scale, q_start):
+        return reference.sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+
+
+_REGISTRY: dict[str, Backend] = {"reference": Backend()}
+# Backends that import heavier modules register on first use: name -> "module:attribute".
+_LAZY: dict[str, str] = {
+    "triton": "nsa.backends.triton:BACKEND",
+    "sdpa": "nsa.backends.sdpa:BACKEND",
+    "fa2": "nsa.backends.fa2:BACKEND",
+}
+
+
+def register(backend: Backend) -> None:
+    _REGISTRY[backend.name] = backend
+
+
+def known_backends() -> tuple[str, ...]:
+    return tuple(sorted(set(_REGISTRY) | set(_LAZY)))
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        if name not in _LAZY:
+            raise ValueError(f"backend={name!r}: unknown backend; known: {', '.join(known_backends())}")
+        module, attr = _LAZY[name].split(":")
+        try:
+            register(getattr(importlib.import_module(module), attr))
+        except ImportError as e:
+            raise BackendUnavailable(f"backend {name!r} cannot be imported: {e}") from e
+    return _REGISTRY[name]
+
+
+def resolve(backend: str | Mapping[str, str]) -> dict[str, str]:
+    """Normalize a backend argument to ``{branch: name}`` and check every name exists."""
+    if isinstance(backend, str):
+        plan = {b: backend for b in BRANCHES}
+    else:
+        extra = set(backend) - set(BRANCHES)
+        if extra:
+            raise ValueError(f"backend: unknown branch {sorted(extra)}; branches are {BRANCHES}")
+        plan = {b: backend.get(b, "reference") for b in BRANCHES}
+    for b, name in plan.items():
+        if name not in _REGISTRY and name not in _LAZY:
+            raise ValueError(f"backend[{b}]={name!r}: unknown backend; known: {', '.join(known_backends())}")
+    return plan
+
+
+@dataclass
+class Record:
+    """What ran, per branch (the last call wins), plus every fallback taken."""
+
+    ran: dict[str, str] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)
+    calls: int = 0
+
+
+_CURRENT: contextvars.ContextVar[Record | None] = contextvars.ContextVar("nsa_dispatch_record", default=None)
+_WARNED: set[str] = set()
+
+
+@contextlib.contextmanager
+def record():
+    rec = Record()
+    token = _CURRENT.set(rec)
+    try:
+        yield rec
+    finally:
+        _CURRENT.reset(token)
+
+
+def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fallback: str | None) -> Backend:
+    """The backend that will run ``branch``; raises or falls back (loudly) if ``name`` can't."""
+    try:
+        be = get(name)
+        reason = be.unavailable(branch, device, dtype)
+    except BackendUnavailable as e:
+        be, reason = None, str(e)
+    if reason is None:
+        chosen, note = be, None
+    elif fallback is None:
+        raise BackendUnavailable(
+            f"backend {name!r} cannot run branch {branch!r} on {device.type}/{str(dtype).replace('torch.', '')}: "
+            f"{reason} (choose another backend, or allow a fallback)"
+        )
+    else:
+        chosen = get(fallback)
+        second = chosen.unavailable(branch, device, dtype)
+        if second is not None:
+            raise BackendUnavailable(f"fallback {fallback!r} cannot run branch {branch!r} either: {second}")
+        note = f"{branch}: {name} -> {fallback} ({reason})"
+        if note not in _WARNED:
+            _WARNED.add(note)
+            warnings.warn(f"NSA backend fallback: {note}", RuntimeWarning, stacklevel=3)
+    rec = _CURRENT.get()
+    if rec is not None:
+        rec.ran[branch] = chosen.name
+        if note is not None and note not in rec.fallbacks:
+            rec.fallbacks.append(note)
+    return chosen

@@ -1,0 +1,192 @@
+"""Public functional API of NSA (``shared/nsa-spec.md``), with input checks and backend dispatch.
+
+Layouts (batch-first): q ``[B,Tq,HQ,Dk]``; raw keys/values of a branch ``[B,S,H,Dk]`` /
+``[B,S,H,Dv]``; compressed ``[B,Tc,H,*]`` with Tc = 0 if S < l else (S-l)//d + 1; gates
+``[B,Tq,HQ,3]`` in the order (cmp, sel, win); output ``[B,Tq,HQ,Dv]``.
+
+Prefill: Tq = S and ``q_start=0``. Decode / chunked prefill over a cache: the Tq queries sit at
+absolute positions ``q_start .. q_start+Tq-1`` and S = q_start + Tq keys are given.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from . import dispatch, reference
+from .config import NSAConfig
+
+__all__ = [
+    "nsa_attention",
+    "compress",
+    "compressed_attention",
+    "selection_scores",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+]
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _check_4d(name, x):
+    if not isinstance(x, torch.Tensor):
+        _fail(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        _fail(f"{name}: expected 4 dims [B,T,heads,dim], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        _fail(f"{name}: expected a floating dtype, got {x.dtype}")
+
+
+def _check_same(ref_name, ref, **named):
+    for name, x in named.items():
+        if x.dtype != ref.dtype:
+            _fail(f"{name}: dtype {x.dtype} differs from {ref_name}'s {ref.dtype}")
+        if x.device != ref.device:
+            _fail(f"{name}: device {x.device} differs from {ref_name}'s {ref.device}")
+
+
+def _check_q(q, config: NSAConfig):
+    _check_4d("q", q)
+    if q.shape[2] != config.n_heads or q.shape[3] != config.d_k:
+        _fail(f"q: expected [B,T,{config.n_heads},{config.d_k}] (n_heads, d_k), got {tuple(q.shape)}")
+
+
+def _check_kv(q, k, v, kname, vname, config: NSAConfig, T: int | None, q_start: int):
+    _check_4d(kname, k)
+    _check_4d(vname, v)
+    B, Tq = q.shape[:2]
+    want_t = "S" if T is None else str(T)
+    for name, x, D, dname in ((kname, k, config.d_k, "d_k"), (vname, v, config.d_v, "d_v")):
+        if x.shape[0] != B or x.shape[2] != config.n_kv_heads or x.shape[3] != D:
+            _fail(f"{name}: expected [{B},{want_t},{config.n_kv_heads},{D}] (B, n_kv_heads, {dname}), "
+                  f"got {tuple(x.shape)}")
+    if k.shape[1] != v.shape[1]:
+        _fail(f"{vname}: length {v.shape[1]} differs from {kname}'s {k.shape[1]}")
+    if T is not None and k.shape[1] != T:
+        _fail(f"{kname}: expected {T} tokens, got {k.shape[1]}")
+    if T is None and k.shape[1] < q_start + Tq:
+        _fail(f"{kname}: {k.shape[1]} keys but queries reach position {q_start + Tq - 1} "
+              f"(need S >= q_start + Tq = {q_start + Tq})")
+    _check_same("q", q, **{kname: k, vname: v})
+
+
+def _check_q_start(q_start):
+    if isinstance(q_start, bool) or not isinstance(q_start, int) or q_start < 0:
+        _fail(f"q_start={q_start!r}: must be a non-negative integer")
+
+
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def compress(x: torch.Tensor, config: NSAConfig, phi=None) -> torch.Tensor:
+    """Compression (paper Eq. 7): ``[B,T,H,D]`` -> ``[B,Tc,H,D]``; ``phi`` maps ``[B,Tc,H,l,D]``
+    blocks to ``[B,Tc,H,D]`` (None: mean pooling)."""
+    _check_4d("x", x)
+    return reference.compress(x, config, phi)
+
+
+def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0):
+    """Compressed branch (spec step 1, paper Eq. 5 over Eq. 7's tokens).
+
+    Returns ``(o_cmp [B,Tq,HQ,Dv], p_cmp [B,Tq,HQ,Tc])``; token i visible to t iff i*d+l-1 <= t.
+    """
+    _check_q(q, config)
+    _check_q_start(q_start)
+    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, k_cmp.shape[1] if k_cmp.dim() == 4 else None, 0)
+    return reference.compressed_attention(q, k_cmp, v_cmp, config, scale=_scale(q, scale), q_start=q_start)
+
+
+def selection_scores(p_cmp, config: NSAConfig, n_blocks: int):
+    """Eqs. 9-10 (block-aligned Eq. 9, group sum Eq. 10): ``[B,Tq,HQ,Tc]`` -> ``[B,Tq,H,n_blocks]``."""
+    _check_4d("p_cmp", p_cmp)
+    if p_cmp.shape[2] != config.n_heads:
+        _fail(f"p_cmp: expected {config.n_heads} heads (n_heads), got shape {tuple(p_cmp.shape)}")
+    return reference.selection_scores(p_cmp, config, n_blocks)
+
+
+def select_blocks(scores, config: NSAConfig, *, q_start: int = 0):
+    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]`` ascending, -1 padded."""
+    _check_4d("scores", scores)
+    _check_q_start(q_start)
+    if scores.shape[2] != config.n_kv_heads:
+        _fail(f"scores: expected {config.n_kv_heads} groups (n_kv_heads), got shape {tuple(scores.shape)}")
+    need = config.n_blocks(q_start + scores.shape[1])
+    if scores.shape[3] < need:
+        _fail(f"scores: {scores.shape[3]} blocks but queries up to position {q_start + scores.shape[1] - 1} "
+              f"need {need} (ceil(S / l_sel))")
+    return reference.select_blocks(scores, config, q_start=q_start)
+
+
+def _check_indices(q, indices, config):
+    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        _fail("indices: expected an int32/int64 tensor [B,Tq,H,n_sel]")
+    want = (q.shape[0], q.shape[1], config.n_kv_heads, config.n_sel)
+    if tuple(indices.shape) != want:
+        _fail(f"indices: expected shape {list(want)} [B,Tq,H,n_sel], got {tuple(indices.shape)}")
+    if indices.device != q.device:
+        _fail(f"indices: device {indices.device} differs from q's {q.device}")
+
+
+def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
+                       backend: str = "reference"):
+    """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks."""
+    _check_q(q, config)
+    _check_q_start(q_start)
+    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None, q_start)
+    _check_indices(q, indices, config)
+    be = dispatch.choose("sel", backend, q.device, q.dtype, None)
+    return be.selected(q, k_sel, v_sel, indices, config, scale=_scale(q, scale), q_start=q_start)
+
+
+def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, q_start: int = 0,
+                             backend: str = "reference"):
+    """Sliding branch (spec step 6): attention over u in [max(0, t-w+1), t]."""
+    _check_q(q, config)
+    _check_q_start(q_start)
+    _check_kv(q, k_win, v_win, "k_win", "v_win", config, None, q_start)
+    be = dispatch.choose("win", backend, q.device, q.dtype, None)
+    return be.window(q, k_win, v_win, config, scale=_scale(q, scale), q_start=q_start)
+
+
+def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, scale=None,
+                  backend: str | Mapping[str, str] = "reference", return_indices: bool = False,
+                  q_start: int = 0, fallback: str | None = None):
+    """NSA attention output (paper Eq. 5 summed over branches with gates, spec step 7).
+
+    o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, with o_cmp over compressed keys k_cmp/v_cmp
+    (``[B,Tc,H,*]``), o_sel over the top-n blocks chosen from the compressed probabilities
+    (Eqs. 8-12) and o_win over the last w tokens. ``backend`` is a name or ``{branch: name}``;
+    ``fallback`` names the backend to use where the chosen one cannot run (warned and recorded),
+    None to raise instead. Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
+    """
+    _check_q(q, config)
+    _check_q_start(q_start)
+    plan = dispatch.resolve(backend)
+    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None, q_start)
+    S = k_sel.shape[1]
+    _check_kv(q, k_win, v_win, "k_win", "v_win", config, S, q_start)
+    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, config.n_cmp(S), q_start)
+    _check_4d("gates", gates)
+    if tuple(gates.shape) != (*q.shape[:3], 3):
+        _fail(f"gates: expected shape {[*q.shape[:3], 3]} [B,Tq,HQ,3], got {tuple(gates.shape)}")
+    _check_same("q", q, gates=gates)
+    sc = _scale(q, scale)
+    dev, dt = q.device, q.dtype
+    rec = dispatch._CURRENT.get()
+    if rec is not None:
+        rec.calls += 1
+
+    o_cmp, idx = dispatch.choose("cmp", plan["cmp"], dev, dt, fallback).compressed(
+        q, k_cmp, v_cmp, config, scale=sc, q_start=q_start, n_keys=S)
+    o_sel = dispatch.choose("sel", plan["sel"], dev, dt, fallback).selected(
+        q, k_sel, v_sel, idx, config, scale=sc, q_start=q_start)
+    o_win = dispatch.choose("win", plan["win"], dev, dt, fallback).window(
+        q, k_win, v_win, config, scale=sc, q_start=q_start)
+    g = gates.unsqueeze(-1)
+    o = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
+    return (o, idx) if return_indices else o
