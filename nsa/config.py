@@ -56,7 +56,8 @@ class NSAConfig:
             bad("n_sel", f"must be >= n_init + n_local = {self.n_init + self.n_local}")
         if self.phi not in PHI_CHOICES:
             bad("phi", f"must be one of {PHI_CHOICES}")
-        if not (self.rope_base > 0):
+        rb = self.rope_base
+        if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (rb > 0):
             bad("rope_base", "must be positive")
 
     @property

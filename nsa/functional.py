@@ -97,7 +97,8 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
     """
     _check_q(q, config)
     _check_q_start(q_start)
-    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, k_cmp.shape[1] if k_cmp.dim() == 4 else None, 0)
+    _check_4d("k_cmp", k_cmp)
+    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, k_cmp.shape[1], 0)
     return reference.compressed_attention(q, k_cmp, v_cmp, config, scale=_scale(q, scale), q_start=q_start)
 
 
