@@ -1,0 +1,105 @@
+"""The ``fa2`` backend: FlashAttention-2 for the sliding-window branch (spec step 6).
+
+Which FlashAttention-2 runs is decided at import and recorded in ``BACKEND.impl``:
+
+* ``"fa2:flash_attn <version>"`` where the flash-attn package is installed:
+  ``flash_attn_func(q, k, v, causal=True, window_size=(w-1, 0))``;
+* ``"fa2:torch-flash"`` otherwise: PyTorch's own FlashAttention-2 kernel,
+  ``torch.ops.aten._flash_attention_forward`` with ``window_size_left=w-1, window_size_right=0``
+  (the kernel behind SDPA's FLASH backend and ``torch.nn.attention.varlen.varlen_attn``; SDPA itself
+  has no window argument). Its backward is PyTorch's registered ``_flash_attention_backward``.
+
+Both take the batch-first layout ``[B,T,H,D]`` and grouped heads natively. Causality with Tq < S
+queries is bottom-right aligned, so keys are cut to ``[max(0, q_start-w+1), q_start+Tq)``. FA-2 needs
+one head dim for q, k and v: where Dk != Dv (or a dim is not a multiple of 8) all three are padded with
+zeros to a common multiple of 8, which leaves q·k and the output unchanged (the pad is sliced off).
+
+The ``cmp`` and ``sel`` branches are not FlashAttention shapes (Eq. 9 scores from the compressed
+probabilities; per-query block sets of Eq. 12) and are reported unavailable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import Backend, BackendUnavailable
+
+try:  # the flash-attn package (CUDA only), if installed
+    import flash_attn as _flash_attn
+    from flash_attn import flash_attn_func as _flash_attn_func
+
+    _IMPL = f"fa2:flash_attn {_flash_attn.__version__}"
+except Exception:  # noqa: BLE001 (any import failure means: not usable)
+    _flash_attn_func = None
+    _IMPL = "fa2:torch-flash"
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _pad_to(x, D):
+    return x if x.shape[-1] == D else F.pad(x, (0, D - x.shape[-1]))
+
+
+def _torch_flash_window(q, k, v, w, scale):
+    # 4-D (batch) layout: no cumulative sequence lengths; is_causal aligns bottom-right.
+    out = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        None,
+        None,
+        q.shape[1],
+        k.shape[1],
+        0.0,
+        True,
+        False,
+        scale=scale,
+        window_size_left=w - 1,
+        window_size_right=0,
+    )
+    return out[0]
+
+
+class FA2Backend(Backend):
+    name = "fa2"
+    impl = _IMPL
+
+    def unavailable(self, branch, device, dtype):
+        if branch == "cmp":
+            return (
+                "the compressed branch needs the Eq. 9 block scores from its own probabilities, which "
+                "FlashAttention-2 does not return; use the 'triton' or 'reference' backend"
+            )
+        if branch == "sel":
+            return (
+                "the selected branch attends to per-query block sets (Eq. 12), which FlashAttention-2's "
+                "causal/window masks cannot express; use the 'triton' or 'reference' backend"
+            )
+        if device.type != "cuda":
+            return f"FlashAttention-2 ({self.impl}) runs on CUDA devices only, got {device.type}"
+        if dtype not in _HALF:
+            return f"FlashAttention-2 ({self.impl}) supports float16/bfloat16 only, got {dtype}"
+        avail = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        if _flash_attn_func is None and not avail():
+            return "this PyTorch build has no FlashAttention kernel and flash-attn is not installed"
+        return None
+
+    def window(self, q, k_win, v_win, config, *, scale, q_start):
+        Tq, Dk = q.shape[1], q.shape[3]
+        Dv = v_win.shape[-1]
+        S = q_start + Tq
+        lo = max(0, q_start - config.w + 1)
+        k, v = k_win[:, lo:S], v_win[:, lo:S]
+        D = -(-max(Dk, Dv) // 8) * 8
+        if D > 256:
+            raise BackendUnavailable(f"backend 'fa2' cannot run branch 'win': head dim {D} > 256")
+        qp, kp, vp = _pad_to(q, D), _pad_to(k, D), _pad_to(v, D)
+        if _flash_attn_func is not None:
+            o = _flash_attn_func(qp, kp, vp, softmax_scale=scale, causal=True, window_size=(config.w - 1, 0))
+        else:
+            o = _torch_flash_window(qp.contiguous(), kp.contiguous(), vp.contiguous(), config.w, scale)
+        return o[..., :Dv]
+
+
+BACKEND = FA2Backend()

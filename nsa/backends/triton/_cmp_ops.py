@@ -1,0 +1,360 @@
+"""Launchers and autograd wrappers around ``_cmp_kernels`` (compressed and sliding attention).
+
+Tile sizes live in ``TUNE`` (one entry per device type); the interpreter on CPU gets small tiles so
+that tests at tiny shapes still cross tile borders.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ... import env
+from ._cmp_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel, _topn_kernel
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``, but scalars
+    there are 1-element arrays and numpy >= 2.4 refuses that, so ``range(lo, hi)`` over runtime
+    scalars fails under TRITON_INTERPRET=1. Re-register ``__index__`` with ``.item()`` (interpreter
+    only; compiled kernels are untouched)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_nsa_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._nsa_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if env.triton_interpret():
+    _fix_interpreter_index()
+
+LOG2E = 1.4426950408889634
+
+# rows: query rows per program (BLOCK_M * next_pow2(G)); block_n: keys per tile.
+# cuda: measured on one H200 (scripts/bench_cmp_win.py, 2026-11-21): 64 rows / 4 warps beat 128 / 8.
+TUNE = {
+    "cuda": dict(
+        rows=64, block_n=64, warps=4, stages=2, bwd_rows=64, bwd_block_n=64, bwd_warps=4, bwd_stages=2
+    ),
+    "cpu": dict(
+        rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1
+    ),
+}
+# Bytes the [B, chunk, H, nb] float32 block-score buffer of the compressed forward may take.
+SCORE_BUFFER_BYTES = 1 << 28
+# Fill outputs with NaN before the kernels write them (tests set it: an unwritten element then fails).
+POISON = False
+
+
+def _out(shape, like, dtype=None):
+    dtype = like.dtype if dtype is None else dtype
+    if POISON:
+        fill = float("nan") if dtype.is_floating_point else -7
+        return torch.full(shape, fill, device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(max(1, int(x)))
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _geom(HQ, H, Dk, Dv, device, bwd=False):
+    tune = TUNE["cuda" if device.type == "cuda" else "cpu"]
+    G = HQ // H
+    GP = _p2(G)
+    rows = tune["bwd_rows" if bwd else "rows"]
+    block_m = max(1, rows // GP)
+    return dict(G=G, GP=GP, BLOCK_M=block_m, BDK=max(16, _p2(Dk)), BDV=max(16, _p2(Dv))), tune
+
+
+def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=None, n_blocks=0):
+    """o [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2), and with ``config`` the block scores consumed
+    chunk by chunk into top-n indices [B,Tq,H,n_sel]."""
+    B, Tq, HQ, Dk = q.shape
+    N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    geo, tune = _geom(HQ, H, Dk, Dv, q.device)
+    o = _out((B, Tq, HQ, Dv), q)
+    lse = _out((B, HQ, Tq), q, torch.float32)
+    scores = config is not None
+    if scores:
+        u = config.l_sel // config.d  # compressed tokens per selection block
+        bj = max(1, tune["block_n"] // u)
+        bj = max(bj, -(-(config.l - config.d) // config.l_sel))  # the spill fits in one carry
+        nstep = u * bj
+        nb = n_blocks
+        per_row = B * H * max(nb, 1) * 4
+        chunk = max(geo["BLOCK_M"], SCORE_BUFFER_BYTES // per_row // geo["BLOCK_M"] * geo["BLOCK_M"])
+        idx = _out((B, Tq, H, config.n_sel), q, torch.int64)
+        score_dot = q.dtype in (torch.float16, torch.bfloat16)
+        kw = dict(
+            D_CMP=config.d,
+            L_CMP=config.l,
+            L_SEL=config.l_sel,
+            BJ=bj,
+            BJP=max(8, _p2(bj)) if score_dot else _p2(bj),
+            SCORE_DOT=score_dot,
+        )
+    else:
+        nstep = tune["block_n"]
+        chunk = max(Tq, 1)
+        kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False)
+    for c0 in range(0, Tq, chunk):
+        c1 = min(Tq, c0 + chunk)
+        if scores:
+            sc = torch.zeros((B, c1 - c0, H, nb), device=q.device, dtype=torch.float32)
+        else:
+            sc = lse  # unused
+        grid = (triton.cdiv(c1 - c0, geo["BLOCK_M"]), B * H)
+        _fwd_kernel[grid](
+            q,
+            k,
+            v,
+            o,
+            lse,
+            sc,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            o.stride(0),
+            o.stride(1),
+            o.stride(2),
+            sc.stride(0),
+            sc.stride(1),
+            sc.stride(2) if sc.dim() > 2 else 0,
+            N,
+            Tq,
+            q_start,
+            c0,
+            c1,
+            n_blocks,
+            scale * LOG2E,
+            HQ=HQ,
+            H=H,
+            G=geo["G"],
+            GP=geo["GP"],
+            DK=Dk,
+            DV=Dv,
+            BDK=geo["BDK"],
+            BDV=geo["BDV"],
+            BLOCK_M=geo["BLOCK_M"],
+            BLOCK_N=_p2(nstep),
+            NSTEP=nstep,
+            STRIDE=stride,
+            OFFSET=offset,
+            WINDOW=window,
+            SCORES=scores,
+            PREC=_prec(q.dtype),
+            num_warps=tune["warps"],
+            num_stages=tune["stages"],
+            **kw,
+        )
+        if scores:
+            out = idx if (c0 == 0 and c1 == Tq) else _out((B, c1 - c0, H, config.n_sel), q, torch.int64)
+            rows, rb = B * (c1 - c0) * H, 2
+            _topn_kernel[(triton.cdiv(rows, rb),)](
+                sc,
+                out,
+                rows,
+                c1 - c0,
+                nb,
+                q_start + c0,
+                H=H,
+                NBP=_p2(nb),
+                N_SEL=config.n_sel,
+                NSP=_p2(config.n_sel),
+                N_INIT=config.n_init,
+                N_LOCAL=config.n_local,
+                L_SEL=config.l_sel,
+                RB=rb,
+                num_warps=4,
+            )
+            if out is not idx:
+                idx[:, c0:c1] = out
+    return o, lse, (idx if scores else None)
+
+
+def topn_blocks(scores, config, q_start):
+    """Eqs. 11-12 with forcing on nonnegative float32 scores ``[B,c,H,nb]`` -> ``[B,c,H,n_sel]``.
+
+    Exactly ``reference.select_blocks``: each candidate gets the int64 key
+    (float bits of its score << 32) | (2^31 - 1 - j), so keys are distinct, order by score and
+    break ties to the lower index; forced blocks take the bits of +inf, non-candidates -1.
+    """
+    c, nb = scores.shape[1], scores.shape[3]
+    dev = scores.device
+    t = q_start + torch.arange(c, device=dev)
+    last = (t // config.l_sel)[:, None]
+    j = torch.arange(nb, device=dev)[None, :]
+    cand = j <= last
+    forced = cand & ((j < config.n_init) | (j > last - config.n_local))
+    low = (2**31 - 1) - j  # [1, nb]
+    bits = scores.contiguous().view(torch.int32).to(torch.int64)
+    inf_bits = 0x7F800000
+    bits = torch.where(forced[None, :, None, :], torch.full_like(bits, inf_bits), bits)
+    key = (bits << 32) | low[None, :, None, :]
+    key = torch.where(cand[None, :, None, :], key, torch.full_like(key, -1))
+    if nb < config.n_sel:
+        key = torch.nn.functional.pad(key, (0, config.n_sel - nb), value=-1)
+    vals, sel = torch.topk(key, config.n_sel, dim=-1, sorted=False)
+    big = torch.iinfo(torch.int64).max
+    sel = torch.where(vals >= 0, sel, torch.full_like(sel, big))
+    sel = torch.sort(sel, dim=-1).values
+    return torch.where(sel == big, torch.full_like(sel, -1), sel)
+
+
+def _attn_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window):
+    B, Tq, HQ, Dk = q.shape
+    N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    geo, tune = _geom(HQ, H, Dk, Dv, q.device, bwd=True)
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]
+    dq, dk, dv = _out(q.shape, q), _out(k.shape, k), _out(v.shape, v)
+    common = dict(
+        HQ=HQ,
+        H=H,
+        G=geo["G"],
+        GP=geo["GP"],
+        DK=Dk,
+        DV=Dv,
+        BDK=geo["BDK"],
+        BDV=geo["BDV"],
+        BLOCK_M=geo["BLOCK_M"],
+        BLOCK_N=tune["bwd_block_n"],
+        STRIDE=stride,
+        OFFSET=offset,
+        WINDOW=window,
+        PREC=_prec(q.dtype),
+        num_warps=tune["bwd_warps"],
+        num_stages=tune["bwd_stages"],
+    )
+    if Tq > 0:
+        _bwd_dq_kernel[(triton.cdiv(Tq, geo["BLOCK_M"]), B * H)](
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            dq.stride(0),
+            dq.stride(1),
+            dq.stride(2),
+            N,
+            Tq,
+            q_start,
+            scale * LOG2E,
+            scale,
+            **common,
+        )
+    if N > 0:
+        _bwd_dkdv_kernel[(triton.cdiv(N, tune["bwd_block_n"]), B * H)](
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            do.stride(0),
+            do.stride(1),
+            do.stride(2),
+            dk.stride(0),
+            dk.stride(1),
+            dk.stride(2),
+            dv.stride(0),
+            dv.stride(1),
+            dv.stride(2),
+            N,
+            Tq,
+            q_start,
+            scale * LOG2E,
+            scale,
+            **common,
+        )
+    return dq, dk, dv
+
+
+class CompressedAttention(torch.autograd.Function):
+    """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, config, scale, q_start, n_blocks):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        geom = dict(scale=scale, q_start=q_start, stride=config.d, offset=config.l - 1, window=0)
+        o, lse, idx = _attn_forward(q, k, v, config=config, n_blocks=n_blocks, **geom)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.geom = geom
+        ctx.mark_non_differentiable(idx)
+        return o, idx
+
+    @staticmethod
+    def backward(ctx, do, _didx):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _attn_backward(q, k, v, o, lse, do, **ctx.geom)
+        return dq, dk, dv, None, None, None, None
+
+
+class WindowAttention(torch.autograd.Function):
+    """Sliding-window attention (u in [t-w+1, t]) over raw keys/values."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, scale, q_start):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        geom = dict(scale=scale, q_start=q_start, stride=1, offset=0, window=w)
+        o, lse, _ = _attn_forward(q, k, v, **geom)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.geom = geom
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _attn_backward(q, k, v, o, lse, do, **ctx.geom)
+        return dq, dk, dv, None, None, None
+
+
+def default_scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

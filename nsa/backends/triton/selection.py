@@ -1,0 +1,632 @@
+"""Selected attention (spec step 5; paper Eq. 5 over the blocks of Eq. 12) in Triton, forward and backward.
+
+Same contract as ``nsa.reference.selected_attention``: q ``[B,Tq,HQ,Dk]``, k ``[B,S,H,Dk]``,
+v ``[B,S,H,Dv]``, indices ``[B,Tq,H,n_sel]`` (-1 entries ignored); query row i sits at absolute
+position t = q_start + i and attends to the raw tokens u <= t (u < S) of its selected blocks
+(block j = tokens [j*l_sel, (j+1)*l_sel)). Query head h reads key/value head h // G. Differentiable
+in q, k, v. ``selected_attention_varlen`` takes the packed layout with ``cu_seqlens``.
+
+Two kernel families, both group-centric (paper Fig. 3: the G heads of a group share the blocks and
+each key/value tile is loaded once for all of them):
+
+* **query-outer** (``_fwd_q_kernel``, ``_bwd_dq_kernel``): one program per (query row, group); the
+  G heads form the M rows of the tile; loop over the selected blocks with an online softmax. Best
+  for large G (>= 8), where the G rows fill a matrix tile.
+* **block-outer** (``_fwd_kv_kernel``, ``_bwd_kv_kernel``): an inverted index (torch sort) lists,
+  for each (sequence, group, key block), the queries that selected it; one program per chunk of
+  that list loads the key/value block once and packs (queries x G heads) into the M rows, so a
+  tile is full for any G. Forward writes per-slot partial outputs and log-sum-exps, merged by
+  ``_combine_kernel``; backward accumulates dK/dV of the block in registers (one fp32 atomic add
+  per chunk, not per query), and dQ either per slot (when those partials fit) or by the
+  query-outer kernel.
+
+Measured on one H200 (bf16, B=1, H=4, D=128, l_sel=64, n_sel=16, random selections, T=64k;
+scripts/bench_selection.py): G=16 query-outer fwd 17.3 ms, fwd+bwd 57.0 ms (53.7 with dq per slot);
+G=4 block-outer 6.3 / 17.5 ms; G=1 block-outer 2.6 / 6.1 ms. The G=16 forward moves ~137 GB of
+gathered K/V through L2 (~7.9 TB/s), which bounds the query-outer design.
+
+Softmax statistics are kept in base 2 (``lse2 = log2 sum exp2(scale*log2(e)*q.k)``). All offsets
+are computed in int64. Accumulation is fp32; fp32 inputs use IEEE fp32 products (no tf32).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# Tests set this: outputs that a kernel must fully write are then allocated filled with NaN, so an
+# unwritten element shows.
+POISON = False
+
+
+def _alloc(shape, device, dtype):
+    if POISON:
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def _np2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Query-outer kernels: one program per (query row, kv head); rows of the tile = the G heads.
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_q_kernel(
+    Q, K, V, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n,
+    q_start, scale_log2,
+    G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    seq = tl.load(ROW_SEQ + r).to(tl.int64)
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    t = q_start + (r - q0)
+
+    g = tl.arange(0, BLOCK_G)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    ar = tl.arange(0, BLOCK_S)
+    mg = g < G
+    heads = h * G + g
+    q = tl.load(Q + r * sq_n + heads[:, None] * sq_h + dk[None, :], mask=mg[:, None] & (dk[None, :] < DK), other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for i in range(N_SEL * N_SUB):  # one flat loop, so that the next block's loads overlap
+        s = i // N_SUB
+        sb = i % N_SUB
+        j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
+        off = sb * BLOCK_S + ar
+        pos = j * L_SEL + off
+        ok = (j >= 0) & (off < L_SEL) & (pos <= t) & (pos < S)
+        kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None],
+                     mask=ok[None, :] & (dk[:, None] < DK), other=0.0)
+        qk = tl.dot(q, kt, input_precision=PREC) * scale_log2
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
+                     mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(O + r * so_n + heads[:, None] * so_h + dv[None, :], o.to(O.dtype.element_ty),
+             mask=mg[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + r * sl_n + heads, m_i + tl.log2(l_i), mask=mg)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, IDX, LSE, DELTA, DQ, ROW_SEQ, CU_Q, CU_K,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, si_n, si_h, sl_n, sdq_n, sdq_h,
+    q_start, scale_log2, scale,
+    G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    seq = tl.load(ROW_SEQ + r).to(tl.int64)
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    t = q_start + (r - q0)
+
+    g = tl.arange(0, BLOCK_G)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    ar = tl.arange(0, BLOCK_S)
+    mg = g < G
+    heads = h * G + g
+    q = tl.load(Q + r * sq_n + heads[:, None] * sq_h + dk[None, :], mask=mg[:, None] & (dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + r * sd_n + heads[:, None] * sd_h + dv[None, :], mask=mg[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + r * sl_n + heads, mask=mg, other=0.0)
+    delta = tl.load(DELTA + r * sl_n + heads, mask=mg, other=0.0)
+
+    dq = tl.zeros([BLOCK_G, BLOCK_DK], tl.float32)
+    for i in range(N_SEL * N_SUB):  # one flat loop, so that the next block's loads overlap
+        s = i // N_SUB
+        sb = i % N_SUB
+        j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
+        off = sb * BLOCK_S + ar
+        pos = j * L_SEL + off
+        ok = (j >= 0) & (off < L_SEL) & (pos <= t) & (pos < S)
+        kk = tl.load(K + (k0 + pos)[:, None] * sk_n + h * sk_h + dk[None, :],
+                     mask=ok[:, None] & (dk[None, :] < DK), other=0.0)
+        vt = tl.load(V + (k0 + pos)[None, :] * sv_n + h * sv_h + dv[:, None],
+                     mask=ok[None, :] & (dv[:, None] < DV), other=0.0)
+        qk = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale_log2
+        p = tl.where(ok[None, :], tl.exp2(qk - lse[:, None]), 0.0)
+        dp = tl.dot(do, vt, input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kk.dtype), kk, input_precision=PREC)
+    tl.store(DQ + r * sdq_n + heads[:, None] * sdq_h + dk[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=mg[:, None] & (dk[None, :] < DK))
+
+
+# ------------------------------------------------------------------------------------------------
+# Block-outer kernels: one program per chunk of the queries that selected one (seq, head, block).
+# Rows of the tile = BLOCK_Q queries x GP heads (GP = G rounded up to a power of two).
+# ------------------------------------------------------------------------------------------------
+@triton.jit
+def _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
+                 sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                 G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr):
+    """Rows = BLOCK_Q entries x GP heads: partial attention of each row over this key block."""
+    rows = tl.arange(0, BLOCK_Q * GP)
+    g = rows % GP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    e = e0 + rows // GP
+    rok = (e < e_end) & (g < G)
+    r = tl.load(ENT_ROW + e, mask=rok, other=0).to(tl.int64)
+    slot = tl.load(ENT_SLOT + e, mask=rok, other=0).to(tl.int64)
+    t = q_start + (r - q0)
+    hq = h * G + g
+    q = tl.load(Q + r[:, None] * sq_n + hq[:, None] * sq_h + dk[None, :], mask=rok[:, None] & (dk[None, :] < DK), other=0.0)
+    qk = tl.dot(q, kt, input_precision=PREC) * scale_log2
+    ok = kok[None, :] & (pos[None, :] <= t[:, None]) & rok[:, None]
+    qk = tl.where(ok, qk, float("-inf"))
+    m = tl.max(qk, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(qk - m[:, None])
+    l = tl.sum(p, 1)
+    o = tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+    o = o / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(OPART + r[:, None] * sop_n + hq[:, None] * sop_h + slot[:, None] * sop_s + dv[None, :],
+             o.to(OPART.dtype.element_ty), mask=rok[:, None] & (dv[None, :] < DV))
+    tl.store(LPART + r * slp_n + hq * slp_h + slot, m + tl.log2(l), mask=rok)
+
+
+@triton.jit
+def _fwd_kv_kernel(
+    Q, K, V, OPART, LPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sop_n, sop_h, sop_s, slp_n, slp_h,
+    q_start, scale_log2, H, NB,
+    G: tl.constexpr, GP: tl.constexpr, L_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PREC: tl.constexpr, INTERP: tl.constexpr,
+):
+    it = tl.program_id(0).to(tl.int64)
+    key = tl.load(ITEM_KEY + it).to(tl.int64)
+    e_beg = tl.load(ITEM_START + it).to(tl.int64)
+    e_end = tl.load(ITEM_END + it).to(tl.int64)
+    j = key % NB
+    h = (key // NB) % H
+    seq = key // (NB * H)
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+
+    kl = tl.arange(0, BLOCK_L)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    pos = j * L_SEL + kl
+    kok = (kl < L_SEL) & (pos < S)
+    kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None], mask=kok[None, :] & (dk[:, None] < DK), other=0.0)
+    vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :], mask=kok[:, None] & (dv[None, :] < DV), other=0.0)
+    if INTERP:  # the interpreter cannot range() over loaded scalars; compiled code wants a for loop
+        e0 = e_beg
+        while e0 < e_end:
+            _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
+                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                         G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, PREC)
+            e0 += BLOCK_Q
+    else:
+        for e0 in range(e_beg, e_end, BLOCK_Q):
+            _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
+                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                         G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, PREC)
+
+
+@triton.jit
+def _combine_kernel(
+    OPART, LPART, O, LSE, n_rows, HQ,
+    sop_n, sop_h, sop_s, slp_n, slp_h, so_n, so_h, sl_n,
+    N_SEL: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge the per-slot partial outputs of each (query row, head): o = sum_s 2^(lse_s - lse) o_s."""
+    pid = tl.program_id(0).to(tl.int64)
+    rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rok = rr < n_rows
+    r = rr // HQ
+    hq = rr % HQ
+    sl = tl.arange(0, BLOCK_N)
+    dv = tl.arange(0, BLOCK_DV)
+    lp = tl.load(LPART + r[:, None] * slp_n + hq[:, None] * slp_h + sl[None, :],
+                 mask=rok[:, None] & (sl[None, :] < N_SEL), other=float("-inf"))
+    m = tl.max(lp, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lp - m[:, None])
+    wsum = tl.sum(w, 1)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for s in range(N_SEL):
+        ls = tl.load(LPART + r * slp_n + hq * slp_h + s, mask=rok, other=float("-inf"))
+        ws = tl.exp2(ls - m)
+        live = rok & (ls > float("-inf"))
+        os_ = tl.load(OPART + r[:, None] * sop_n + hq[:, None] * sop_h + s * sop_s + dv[None, :],
+                      mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+        acc += ws[:, None] * os_
+    o = acc / wsum[:, None]
+    tl.store(O + r[:, None] * so_n + hq[:, None] * so_h + dv[None, :], o.to(O.dtype.element_ty),
+             mask=rok[:, None] & (dv[None, :] < DV))
+    tl.store(LSE + r * sl_n + hq, m + tl.log2(wsum), mask=rok)
+
+
+@triton.jit
+def _bwd_kv_tile(e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
+                 sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                 G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_DQ: tl.constexpr, PREC: tl.constexpr):
+    rows = tl.arange(0, BLOCK_Q * GP)
+    g = rows % GP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    e = e0 + rows // GP
+    rok = (e < e_end) & (g < G)
+    r = tl.load(ENT_ROW + e, mask=rok, other=0).to(tl.int64)
+    t = q_start + (r - q0)
+    hq = h * G + g
+    q = tl.load(Q + r[:, None] * sq_n + hq[:, None] * sq_h + dk[None, :], mask=rok[:, None] & (dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + r[:, None] * sd_n + hq[:, None] * sd_h + dv[None, :], mask=rok[:, None] & (dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + r * sl_n + hq, mask=rok, other=0.0)
+    delta = tl.load(DELTA + r * sl_n + hq, mask=rok, other=0.0)
+    qk = tl.dot(q, tl.trans(kk), input_precision=PREC) * scale_log2
+    ok = kok[None, :] & (pos[None, :] <= t[:, None]) & rok[:, None]
+    p = tl.where(ok, tl.exp2(qk - lse[:, None]), 0.0)
+    acc_dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(vv), input_precision=PREC)
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    acc_dk += tl.dot(tl.trans(ds), q, input_precision=PREC)
+    if WRITE_DQ:
+        slot = tl.load(ENT_SLOT + e, mask=rok, other=0).to(tl.int64)
+        dq = tl.dot(ds, kk, input_precision=PREC) * scale
+        tl.store(DQPART + r[:, None] * sdq_n + hq[:, None] * sdq_h + slot[:, None] * sdq_s + dk[None, :],
+                 dq.to(DQPART.dtype.element_ty), mask=rok[:, None] & (dk[None, :] < DK))
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def _bwd_kv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK32, DV32, DQPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, sl_n, sdk_n, sdk_h, sdv_n, sdv_h, sdq_n, sdq_h, sdq_s,
+    q_start, scale_log2, scale, H, NB,
+    G: tl.constexpr, GP: tl.constexpr, L_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WRITE_DQ: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
+):
+    it = tl.program_id(0).to(tl.int64)
+    key = tl.load(ITEM_KEY + it).to(tl.int64)
+    e_beg = tl.load(ITEM_START + it).to(tl.int64)
+    e_end = tl.load(ITEM_END + it).to(tl.int64)
+    j = key % NB
+    h = (key // NB) % H
+    seq = key // (NB * H)
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+
+    kl = tl.arange(0, BLOCK_L)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    pos = j * L_SEL + kl
+    kok = (kl < L_SEL) & (pos < S)
+    kk = tl.load(K + (k0 + pos)[:, None] * sk_n + h * sk_h + dk[None, :], mask=kok[:, None] & (dk[None, :] < DK), other=0.0)
+    vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :], mask=kok[:, None] & (dv[None, :] < DV), other=0.0)
+    acc_dk = tl.zeros([BLOCK_L, BLOCK_DK], tl.float32)
+    acc_dv = tl.zeros([BLOCK_L, BLOCK_DV], tl.float32)
+    if INTERP:  # the interpreter cannot range() over loaded scalars; compiled code wants a for loop
+        e0 = e_beg
+        while e0 < e_end:
+            acc_dk, acc_dv = _bwd_kv_tile(
+                e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
+                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, WRITE_DQ, PREC)
+            e0 += BLOCK_Q
+    else:
+        for e0 in range(e_beg, e_end, BLOCK_Q):
+            acc_dk, acc_dv = _bwd_kv_tile(
+                e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
+                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, WRITE_DQ, PREC)
+    tl.atomic_add(DK32 + (k0 + pos)[:, None] * sdk_n + h * sdk_h + dk[None, :], acc_dk * scale,
+                  mask=kok[:, None] & (dk[None, :] < DK), sem="relaxed")
+    tl.atomic_add(DV32 + (k0 + pos)[:, None] * sdv_n + h * sdv_h + dv[None, :], acc_dv,
+                  mask=kok[:, None] & (dv[None, :] < DV), sem="relaxed")
+
+
+@triton.jit
+def _dq_combine_kernel(
+    DQPART, IDX, DQ, n_rows, HQ, NB,
+    sdq_n, sdq_h, sdq_s, si_n, si_h, so_n, so_h,
+    G: tl.constexpr, N_SEL: tl.constexpr, DK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr,
+):
+    """dq = sum of the per-slot partials over the slots that hold a selected block."""
+    pid = tl.program_id(0).to(tl.int64)
+    rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rok = rr < n_rows
+    r = rr // HQ
+    hq = rr % HQ
+    h = hq // G
+    dk = tl.arange(0, BLOCK_DK)
+    acc = tl.zeros([BLOCK_R, BLOCK_DK], tl.float32)
+    for s in range(N_SEL):
+        j = tl.load(IDX + r * si_n + h * si_h + s, mask=rok, other=-1)
+        live = rok & (j >= 0) & (j < NB)
+        acc += tl.load(DQPART + r[:, None] * sdq_n + hq[:, None] * sdq_h + s * sdq_s + dk[None, :],
+                       mask=live[:, None] & (dk[None, :] < DK), other=0.0).to(tl.float32)
+    tl.store(DQ + r[:, None] * so_n + hq[:, None] * so_h + dk[None, :], acc.to(DQ.dtype.element_ty),
+             mask=rok[:, None] & (dk[None, :] < DK))
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+class _Layout:
+    """Packed-token view shared by the batched and varlen entry points.
+
+    q ``[Nq,HQ,Dk]``, k/v ``[Nk,H,D]``, indices ``[Nq,H,n_sel]``; sequence i owns query rows
+    cu_q[i]..cu_q[i+1] and key rows cu_k[i]..cu_k[i+1]; query row r of sequence i sits at
+    position q_start + r - cu_q[i] and its block j covers key rows cu_k[i] + [j*l_sel, (j+1)*l_sel).
+    """
+
+    def __init__(self, cu_q, cu_k, row_seq, q_start, n_blocks):
+        self.cu_q, self.cu_k, self.row_seq = cu_q, cu_k, row_seq
+        self.q_start, self.n_blocks = int(q_start), int(n_blocks)
+
+
+def _block_outer_plan(idx, lay, H, G, chunk_rows):
+    """Invert the selection: for each (seq, head, block), the (query row, slot) pairs that chose it.
+
+    Returns entry arrays sorted by segment key = (seq*H + h)*NB + j (query rows ascending inside a
+    segment: the sort is stable) and work items, each at most ``chunk_rows // G`` entries of one
+    segment. One host sync (the number of work items).
+    """
+    n_sel = idx.shape[2]
+    dev = idx.device
+    NB = max(lay.n_blocks, 1)
+    n_seg = (int(lay.cu_q.numel()) - 1) * H * NB
+    kdt = torch.int32 if n_seg < 2**31 - 1 else torch.int64
+    h = torch.arange(H, device=dev, dtype=kdt)[None, :, None]
+    j = idx.to(kdt)
+    valid = (j >= 0) & (j < NB)
+    key = (lay.row_seq.to(kdt)[:, None, None] * H + h) * NB + j
+    key = torch.where(valid, key, torch.full_like(key, n_seg)).flatten()  # invalid entries sort last
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=n_seg + 1)[:n_seg]
+    seg_end = torch.cumsum(counts, 0)
+    seg_start = seg_end - counts
+    ent_row = (order // (H * n_sel)).to(torch.int32)
+    ent_slot = (order % n_sel).to(torch.int32)
+    per = max(1, chunk_rows // G)
+    n_chunks = (counts + per - 1) // per
+    chunk_end = torch.cumsum(n_chunks, 0)
+    n_items = int(chunk_end[-1]) if n_seg else 0
+    item_seg = torch.repeat_interleave(torch.arange(n_seg, device=dev), n_chunks, output_size=n_items)
+    item_start = seg_start[item_seg] + (torch.arange(n_items, device=dev) - (chunk_end - n_chunks)[item_seg]) * per
+    item_end = torch.minimum(item_start + per, seg_end[item_seg])
+    return dict(ent_row=ent_row, ent_slot=ent_slot, item_key=item_seg, item_start=item_start,
+                item_end=item_end, n_items=n_items)
+
+
+def _prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Block-outer partial buffers (outputs and dq per slot) above this size go to the query-outer kernels.
+PART_BYTES_MAX = 8 << 30
+
+
+def _choose_mode(mode, G, l_sel, part_bytes, n_rows):
+    """"auto": block-outer for G < 16 (measured on H200: G=4 at 64k, 2.6x faster than query-outer
+    forward), query-outer for G >= 16, when the per-slot partials would exceed PART_BYTES_MAX, or
+    for few query rows (decode: the block-outer plan costs a sort and a host sync)."""
+    if mode == "auto":
+        mode = "block" if G < 16 and part_bytes <= PART_BYTES_MAX and n_rows >= 512 else "query"
+    if mode == "block" and l_sel > 128:
+        mode = "query"  # a whole selection block is one tile in the block-outer kernels
+    if mode not in ("block", "query"):
+        raise ValueError(f"selected_attention: mode={mode!r}; choose 'auto', 'block' or 'query'")
+    return mode
+
+
+def _meta(Dk, Dv, l_sel):
+    BLOCK_S = min(64, _np2(l_sel))
+    return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv))
+
+
+def _block_q(G, Dmax, rows=64):
+    """(GP, BLOCK_Q): rows of a block-outer tile = BLOCK_Q queries x GP heads."""
+    GP = triton.next_power_of_2(G)
+    rows = rows if Dmax <= 128 else min(rows, 32)
+    return GP, max(1, rows // GP)
+
+
+def _part_dtype(dtype):
+    """Partial outputs / dq partials: 16-bit inputs keep 16-bit partials (halves their traffic)."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+def _interp(x):
+    return x.device.type == "cpu"
+
+
+def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts):
+    Nq, HQ, Dk = q.shape
+    H, Dv = k.shape[1], v.shape[2]
+    G = HQ // H
+    n_sel = idx.shape[2]
+    o = _alloc((Nq, HQ, Dv), q.device, q.dtype)
+    lse = _alloc((Nq, HQ), q.device, torch.float32)
+    prec = _prec(q.dtype)
+    scale_log2 = scale * LOG2E
+    plan = None
+    if Nq == 0:
+        return o, lse, plan
+    if mode == "query":
+        mt = _meta(Dk, Dv, l_sel)
+        _fwd_q_kernel[(Nq, H)](
+            q, k, v, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            lay.q_start, scale_log2,
+            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec,
+            num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2), **mt)
+        return o, lse, plan
+    # measured on H200 (64k, D=128): G=1 best at 128 rows / 2 stages, G=4 at 64 rows / 3 stages
+    GP, BQ = _block_q(G, max(Dk, Dv), opts.get("rows", 128 if G == 1 else 64))
+    plan = _block_outer_plan(idx, lay, H, G, opts.get("chunk_rows", 2048))
+    opart = _alloc((Nq, HQ, n_sel, Dv), q.device, _part_dtype(q.dtype))
+    lpart = torch.full((Nq, HQ, n_sel), float("-inf"), device=q.device, dtype=torch.float32)
+    if plan["n_items"]:
+        _fwd_kv_kernel[(plan["n_items"],)](
+            q, k, v, opart, lpart, plan["ent_row"], plan["ent_slot"], plan["item_key"], plan["item_start"],
+            plan["item_end"], lay.cu_q, lay.cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
+            lay.q_start, scale_log2, H, max(lay.n_blocks, 1),
+            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=_np2(l_sel),
+            BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv), PREC=prec, INTERP=_interp(q),
+            num_warps=opts.get("kv_warps", 4), num_stages=opts.get("kv_stages", 2 if G == 1 else 3))
+    BLOCK_R = 16
+    n_rows = Nq * HQ
+    _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+        opart, lpart, o, lse, n_rows, HQ,
+        opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0),
+        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=_np2(n_sel, 2), BLOCK_DV=_np2(Dv), num_warps=4)
+    return o, lse, plan
+
+
+def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, opts):
+    Nq, HQ, Dk = q.shape
+    Nk, H, Dv = v.shape
+    G = HQ // H
+    n_sel = idx.shape[2]
+    do = do.contiguous()
+    prec = _prec(q.dtype)
+    scale_log2 = scale * LOG2E
+    delta = (do.float() * o.float()).sum(-1)  # [Nq,HQ]: rowsum(dO * O)
+    dk32 = torch.zeros(Nk, H, Dk, device=q.device, dtype=torch.float32)
+    dv32 = torch.zeros(Nk, H, Dv, device=q.device, dtype=torch.float32)
+    if Nq == 0:
+        return torch.zeros_like(q), dk32.to(k.dtype), dv32.to(v.dtype)
+    if plan is None:
+        plan = _block_outer_plan(idx, lay, H, G, opts.get("chunk_rows", 2048))
+    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit:
+    # on H200 at G=16, 64k it saved 4.5 of 58 ms, but needs Nq*HQ*n_sel*Dk 16-bit values.
+    write_dq = opts.get("dq_part", mode == "block" or Nq * HQ * n_sel * Dk * q.element_size() <= PART_BYTES_MAX)
+    # dq per (row, head, slot), summed by _dq_combine_kernel over the live slots only
+    dqpart = _alloc((Nq, HQ, n_sel, Dk), q.device, _part_dtype(q.dtype)) if write_dq else dk32
+    GP, BQ = _block_q(G, max(Dk, Dv), opts.get("bwd_rows", 128))
+    if plan["n_items"]:
+        _bwd_kv_kernel[(plan["n_items"],)](
+            q, k, v, do, lse, delta, dk32, dv32, dqpart, plan["ent_row"], plan["ent_slot"], plan["item_key"],
+            plan["item_start"], plan["item_end"], lay.cu_q, lay.cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), lse.stride(0), dk32.stride(0), dk32.stride(1), dv32.stride(0), dv32.stride(1),
+            dqpart.stride(0), dqpart.stride(1), dqpart.stride(2) if write_dq else 0,
+            lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
+            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=_np2(l_sel),
+            BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv), WRITE_DQ=write_dq, PREC=prec, INTERP=_interp(q),
+            num_warps=opts.get("bwd_warps", 8), num_stages=opts.get("bwd_stages", 2))
+    if write_dq:
+        dq = _alloc(q.shape, q.device, q.dtype)
+        BLOCK_R = 16
+        n_rows = Nq * HQ
+        _dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            dqpart, idx, dq, n_rows, HQ, max(lay.n_blocks, 1),
+            dqpart.stride(0), dqpart.stride(1), dqpart.stride(2), idx.stride(0), idx.stride(1), dq.stride(0), dq.stride(1),
+            G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=_np2(Dk), num_warps=4)
+    else:
+        dq = _alloc(q.shape, q.device, q.dtype)
+        mt = _meta(Dk, Dv, l_sel)
+        _bwd_dq_kernel[(Nq, H)](
+            q, k, v, do, idx, lse, delta, dq, lay.row_seq, lay.cu_q, lay.cu_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            do.stride(0), do.stride(1), idx.stride(0), idx.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
+            lay.q_start, scale_log2, scale,
+            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec,
+            num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2), **mt)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+class _SelectedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, idx, lay, scale, l_sel, mode, opts):
+        o, lse, plan = _forward(q, k, v, idx, lay, scale, l_sel, mode, opts)
+        ctx.save_for_backward(q, k, v, o, lse, idx)
+        ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.opts = lay, scale, l_sel, mode, plan, opts
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, idx = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse, idx, ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _run(q, k, v, indices, lay, config, scale, mode, opts):
+    HQ, H = q.shape[1], k.shape[1]
+    if HQ % H:
+        raise ValueError(f"selected_attention: {HQ} query heads not divisible by {H} key/value heads")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    part_bytes = q.shape[0] * HQ * indices.shape[-1] * max(q.shape[-1], v.shape[-1]) * q.element_size()
+    mode = _choose_mode(mode, HQ // H, config.l_sel, part_bytes, q.shape[0])
+    idx = indices.to(torch.int32).contiguous()
+    return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay, scale,
+                                    config.l_sel, mode, dict(opts or {}))
+
+
+def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0, mode: str = "auto",
+                       opts: dict | None = None):
+    """Selected branch, batched layout; same contract as ``nsa.reference.selected_attention``.
+
+    ``mode``: "query" (query-outer kernels), "block" (block-outer kernels) or "auto" (block-outer
+    for G < 16 while its partials fit PART_BYTES_MAX). ``opts``: launch overrides (num_warps,
+    num_stages, rows, kv_warps, kv_stages, chunk_rows, bwd_rows, bwd_warps, bwd_stages, dq_part).
+    """
+    B, Tq, HQ, Dk = q.shape
+    S, H = k_sel.shape[1], k_sel.shape[2]
+    dev = q.device
+    ar = torch.arange(B + 1, device=dev, dtype=torch.int32)
+    lay = _Layout(ar * Tq, ar * S, torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(Tq),
+                  q_start, config.n_blocks(S))
+    o = _run(q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, -1),
+             indices.reshape(B * Tq, H, -1), lay, config, scale, mode, opts)
+    return o.reshape(B, Tq, HQ, -1)
+
+
+def selected_attention_varlen(q, k_sel, v_sel, indices, cu_seqlens, config, scale=None, *, mode: str = "auto",
+                              opts: dict | None = None):
+    """Selected branch over packed sequences (prefill): q ``[N,HQ,Dk]``, k/v ``[N,H,D]``, indices
+    ``[N,H,n_sel]`` with block numbers relative to each sequence's start; ``cu_seqlens`` ``[n_seq+1]``
+    (int, starts at 0). Token r of sequence i sits at position r - cu_seqlens[i]."""
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    n_seq = lens.numel()
+    row_seq = torch.repeat_interleave(torch.arange(n_seq, device=q.device, dtype=torch.int32), lens,
+                                      output_size=q.shape[0])
+    max_len = int(lens.max()) if n_seq else 0
+    lay = _Layout(cu, cu, row_seq, 0, config.n_blocks(max(max_len, 1)))
+    return _run(q, k_sel, v_sel, indices, lay, config, scale, mode, opts)

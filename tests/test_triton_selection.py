@@ -1,0 +1,171 @@
+"""The Triton selected-attention kernels (forward and dq/dk/dv) against ``nsa.reference``.
+
+Runs the kernels through Triton's interpreter on CPU tensors at tiny shapes, in float32 (tight) and
+float16 (reference on upcast inputs), both kernel families ("query"-outer and "block"-outer),
+G in {1,2,3,4,16}, Dk != Dv, non-power-of-two dims, T not a multiple of l_sel, -1 padding, decode-like
+q_start > 0, batched and varlen layouts. Outputs are poisoned with NaN so an unwritten element fails.
+bfloat16 is not tested here: the interpreter's bf16 dot is wrong; scripts/bench_selection.py checks
+bf16 on a GPU.
+"""
+from __future__ import annotations
+
+import os
+
+# The interpreter must be chosen before triton is first imported (tests/conftest.py does not set it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nsa import NSAConfig, reference
+from nsa.backends.triton import selection
+
+F64 = torch.float64
+
+# (B, Tq, q_start, S, HQ, H, Dk, Dv, l_sel, n_sel)
+CASES = [
+    (2, 20, 0, None, 2, 2, 16, 16, 16, 2),     # G=1, T not a multiple of l_sel
+    (1, 16, 32, 48, 4, 2, 32, 16, 16, 3),      # G=2, Dk != Dv, chunked prefill (q_start > 0)
+    (1, 40, 0, None, 16, 1, 16, 32, 16, 3),    # G=16, Dv > Dk
+    (1, 36, 0, None, 4, 1, 24, 16, 32, 2),     # G=4, Dk not a power of two, l_sel=32
+    (2, 3, 61, 64, 8, 2, 16, 16, 16, 3),       # decode-like: 3 queries at the end of 64 keys
+    (1, 1, 70, 75, 4, 1, 16, 16, 16, 4),       # one query, S > q_start + Tq
+    (1, 30, 0, None, 3, 1, 16, 24, 8, 4),      # G=3, l_sel=8 < the smallest tile
+    (1, 8, 90, 98, 2, 1, 16, 16, 96, 2),       # l_sel=96: two sub-tiles per block in query mode
+]
+IDS = [f"B{c[0]}-T{c[1]}-qs{c[2]}-HQ{c[4]}-H{c[5]}-Dk{c[6]}-Dv{c[7]}-ls{c[8]}-n{c[9]}" for c in CASES]
+
+
+def _config(HQ, H, Dk, Dv, l_sel, n_sel):
+    d = min(8, l_sel)
+    return NSAConfig(dim=HQ * Dk, n_heads=HQ, n_kv_heads=H, d_k=Dk, d_v=Dv, l=2 * d, d=d, l_sel=l_sel,
+                     n_sel=n_sel, n_init=1 if n_sel > 1 else 0, n_local=1, w=32)
+
+
+def random_indices(cfg, B, Tq, q_start, S, gen, drop=0.3):
+    """Random valid selections: reference top-n on random scores (forced blocks included, ascending,
+    -1 padded), then some non-forced entries dropped to -1 for extra padding."""
+    nb = cfg.n_blocks(S)
+    scores = torch.rand(B, Tq, cfg.n_kv_heads, nb, generator=gen, dtype=F64)
+    idx = reference.select_blocks(scores, cfg, q_start=q_start)
+    t = (q_start + torch.arange(Tq))[None, :, None, None]
+    keep = (torch.rand(idx.shape, generator=gen) > drop) | (idx == t // cfg.l_sel)
+    idx = torch.where(keep, idx, torch.full_like(idx, -1))
+    big = torch.iinfo(torch.int64).max
+    idx = torch.sort(torch.where(idx < 0, torch.full_like(idx, big), idx), dim=-1).values
+    return torch.where(idx == big, torch.full_like(idx, -1), idx)
+
+
+def _inputs(case, dtype, seed):
+    B, Tq, q_start, S, HQ, H, Dk, Dv, l_sel, n_sel = case
+    S = q_start + Tq if S is None else S
+    cfg = _config(HQ, H, Dk, Dv, l_sel, n_sel)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, HQ, Dk, generator=g, dtype=F64) * 1.5
+    k = torch.randn(B, S, H, Dk, generator=g, dtype=F64) * 1.5
+    v = torch.randn(B, S, H, Dv, generator=g, dtype=F64)
+    w = torch.randn(B, Tq, HQ, Dv, generator=g, dtype=F64)
+    idx = random_indices(cfg, B, Tq, q_start, S, g)
+    return cfg, q_start, [x.to(dtype) for x in (q, k, v)], w, idx
+
+
+def _rel(a, b):
+    a, b = a.to(F64), b.to(F64)
+    assert torch.isfinite(a).all(), "non-finite values (unwritten or poisoned output)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    selection.POISON = True
+    yield
+    selection.POISON = False
+
+
+def _check(fn, cfg, q_start, xs, w, idx, dtype, ref_fn=None):
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    xs_t = [x.clone().requires_grad_(True) for x in xs]
+    o = fn(*xs_t, idx)
+    assert o.dtype == dtype and o.shape == xs[0].shape[:-1] + (xs[2].shape[-1],)
+    (o.to(F64) * w).sum().backward()
+    xs_r = [x.to(F64).requires_grad_(True) for x in xs]  # reference on upcast inputs
+    ref_fn = ref_fn or (lambda q, k, v, i: reference.selected_attention(q, k, v, i, cfg, q_start=q_start))
+    o_r = ref_fn(*xs_r, idx)
+    (o_r * w).sum().backward()
+    assert _rel(o, o_r) <= tol, ("o", _rel(o, o_r))
+    for name, a, b in zip(("dq", "dk", "dv"), xs_t, xs_r):
+        assert a.grad.dtype == dtype
+        assert _rel(a.grad, b.grad) <= tol, (name, _rel(a.grad, b.grad))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log2(0), 0/0 in masked-off rows
+@pytest.mark.parametrize("mode", ["query", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_selected_attention_matches_reference(case, dtype, mode):
+    cfg, q_start, xs, w, idx = _inputs(case, dtype, seed=CASES.index(case) * 4 + (dtype == torch.float16) * 2 + (mode == "block"))
+
+    def fn(q, k, v, i):
+        # query mode: dq from the query-outer kernel (dq_part=False); block mode: dq per slot
+        opts = {"dq_part": False} if mode == "query" else None
+        return selection.selected_attention(q, k, v, i, cfg, q_start=q_start, mode=mode, opts=opts)
+
+    _check(fn, cfg, q_start, xs, w, idx, dtype)
+
+
+def test_indices_from_compressed_branch():
+    """Indices from the reference compressed branch (the real producer), auto mode, G=4."""
+    cfg = NSAConfig(dim=128, n_heads=8, n_kv_heads=2, d_k=16, d_v=16, l=16, d=8, l_sel=16, n_sel=3, w=32)
+    g = torch.Generator().manual_seed(3)
+    B, T = 1, 72
+    q = torch.randn(B, T, 8, 16, generator=g) * 2
+    k = torch.randn(B, T, 2, 16, generator=g) * 2
+    v = torch.randn(B, T, 2, 16, generator=g)
+    kc, vc = reference.compress(k, cfg), reference.compress(v, cfg)
+    _, idx = reference.compressed_branch(q, kc, vc, cfg)
+    w = torch.randn(B, T, 8, 16, generator=g, dtype=F64)
+
+    def fn(q, k, v, i):
+        return selection.selected_attention(q, k, v, i, cfg)
+
+    _check(fn, cfg, 0, [q, k, v], w, idx, torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["query", "block"])
+def test_varlen_matches_per_sequence_reference(mode):
+    cfg = _config(8, 2, 16, 24, 16, 3)
+    g = torch.Generator().manual_seed(5)
+    lens = [13, 5, 30]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    N = int(cu[-1])
+    q = torch.randn(N, 8, 16, generator=g) * 1.5
+    k = torch.randn(N, 2, 16, generator=g) * 1.5
+    v = torch.randn(N, 2, 24, generator=g)
+    w = torch.randn(N, 8, 24, generator=g, dtype=F64)
+    idx = torch.cat([random_indices(cfg, 1, n, 0, n, g)[0] for n in lens])
+
+    def fn(q, k, v, i):
+        return selection.selected_attention_varlen(q, k, v, i, cu, cfg, mode=mode,
+                                                   opts={"dq_part": False} if mode == "query" else None)
+
+    def ref(q, k, v, i):
+        outs = [reference.selected_attention(q[None, a:b], k[None, a:b], v[None, a:b], i[None, a:b], cfg)[0]
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs)
+
+    _check(fn, cfg, 0, [q, k, v], w, idx, torch.float32, ref_fn=ref)
+
+
+def test_backend_dispatch_runs_triton():
+    from nsa import dispatch
+
+    case = CASES[1]
+    cfg, q_start, xs, _, idx = _inputs(case, torch.float32, seed=7)
+    with dispatch.record() as rec:
+        be = dispatch.choose("sel", "triton", xs[0].device, xs[0].dtype, None)
+        o = be.selected(*xs, idx, cfg, scale=None, q_start=q_start)
+    assert rec.ran["sel"] == "triton"
+    ref = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
+    assert _rel(o, ref) <= 1e-5
