@@ -1,0 +1,293 @@
+"""Triton kernels of the NSA decode step (one query per sequence), see ``nsa.backends.triton.decode``.
+
+Four launches per step, all reading the query position from device memory (``pos_ptr``) so that
+one CUDA graph serves every step:
+
+1. ``_dec_cmp_partial``  grid (B*H, NSC): split-KV compressed attention. Each program takes a
+   slice of the visible compressed tokens (the slice length follows the position), computes the
+   scores of the G heads of its group (log2 domain), keeps them in a scratch row for step 2, and
+   writes its flash-decoding partial (running max m, sum l, unnormalized acc).
+2. ``_dec_cmp_topk``     grid (B*H,): combines the partials into o_cmp, turns the scratch scores
+   into p_cmp (exactly softmax over the visible tokens), sums over the group (Eq. 10), weights by
+   the block-aligned overlap (Eq. 9), forces initial/local blocks and takes the top-n by n_sel
+   iterative argmaxes in registers (ties to the lower index, Eqs. 11-12). Indices are written
+   ascending, -1 padded.
+3. ``_dec_sv_partial``   grid (B*H, NS_SEL + NS_WIN): split-KV attention over the selected blocks
+   (splits 0..NS_SEL-1) and over the window tokens (the rest), flash-decoding partials.
+4. ``_dec_combine``      grid (B*H,): combines the sel partials and the win partials separately,
+   applies the gates and adds g_cmp * o_cmp.
+
+Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
+``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG = tl.constexpr(-1.0e30)
+
+
+# No nested @triton.jit calls: the interpreter (CPU tests) re-patches triton.language on every one.
+
+
+@triton.jit
+def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                     qk_scale, TCS,
+                     H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     L: tl.constexpr, D: tl.constexpr, NSC: tl.constexpr,
+                     BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr,
+                     PREC: tl.constexpr, COUNT: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t = tl.load(pos_ptr).to(tl.int32)
+    n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)  # compressed tokens i with i*d + l - 1 <= t
+    chunk = tl.cdiv(tl.cdiv(n_vis, NSC), BLOCK_C) * BLOCK_C
+    c0 = sp * chunk
+    c1 = tl.minimum(c0 + chunk, n_vis)
+    offs_g = tl.arange(0, BG)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    offs_c = tl.arange(0, BLOCK_C)
+    gmask = offs_g < G
+    q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_dk[None, :],
+                mask=gmask[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    k_base = kc_ptr + b * stride_kb + h * stride_kh
+    v_base = vc_ptr + b * stride_vb + h * stride_vh
+    s_base = sc_ptr + bh * G * TCS
+    m_i = tl.full([BG], NEG, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    for c in range(c0, c1, BLOCK_C):
+        tok = c + offs_c
+        tmask = tok < c1
+        kT = tl.load(k_base + tok[None, :] * stride_kt + offs_dk[:, None],
+                     mask=tmask[None, :] & (offs_dk[:, None] < DK), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        tl.store(s_base + offs_g[:, None] * TCS + tok[None, :], s, mask=gmask[:, None] & tmask[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(v_base + tok[:, None] * stride_vt + offs_dv[None, :],
+                    mask=tmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    row = bh * NSC + sp
+    tl.store(pm_ptr + row * BG + offs_g, m_i)
+    tl.store(pl_ptr + row * BG + offs_g, l_i)
+    tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
+    if COUNT:
+        tl.atomic_add(cnt_ptr + bh * 3 + 0, tl.maximum(c1 - c0, 0))
+
+
+@triton.jit
+def _dec_cmp_topk(pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
+                  H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+                  L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
+                  N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+                  BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
+                  BSEL: tl.constexpr, DO_TOPK: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    t = tl.load(pos_ptr).to(tl.int32)
+    n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+    offs_g = tl.arange(0, BG)
+    offs_dv = tl.arange(0, BDV)
+    gmask = offs_g < G
+    # ---- combine the split partials: o_cmp, and each head's softmax max M and normalizer Lsum
+    # (one tile load for m / l; the acc loop is unrolled so its loads are all in flight at once)
+    offs_s = tl.arange(0, NSC_PAD)
+    smask = offs_s[:, None] < NSC
+    prow = (bh * NSC + offs_s)[:, None] * BG + offs_g[None, :]
+    ms = tl.load(pm_ptr + prow, mask=smask, other=NEG)
+    M = tl.max(ms, 0)
+    Lsum = tl.sum(tl.load(pl_ptr + prow, mask=smask, other=0.0) * tl.exp2(ms - M[None, :]), 0)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    for sp in tl.static_range(NSC):
+        row = bh * NSC + sp
+        w = tl.exp2(tl.load(pm_ptr + row * BG + offs_g) - M)
+        acc += tl.load(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :]) * w[:, None]
+    Lsafe = tl.where(Lsum > 0, Lsum, 1.0)
+    o = tl.where(Lsum[:, None] > 0, acc / Lsafe[:, None], 0.0)  # no visible token: o_cmp = 0
+    b = bh // H
+    h = bh % H
+    tl.store(ocmp_ptr + (b * (H * G) + h * G + offs_g)[:, None] * DV + offs_dv[None, :], o,
+             mask=gmask[:, None] & (offs_dv[None, :] < DV))
+    if DO_TOPK:
+        # ---- Eq. 10 first (Eq. 9's weights do not depend on the head): P[i] = sum_g p_cmp[g, i]
+        offs_t = tl.arange(0, BLOCK_T)
+        s_base = sc_ptr + bh * G * TCS
+        psum_base = psum_ptr + bh * TCS
+        for i0 in range(0, n_vis, BLOCK_T):
+            ii = i0 + offs_t
+            s = tl.load(s_base + offs_g[:, None] * TCS + ii[None, :],
+                        mask=gmask[:, None] & (ii[None, :] < n_vis), other=float("-inf"))
+            p = tl.exp2(s - M[:, None]) / Lsafe[:, None]
+            tl.store(psum_base + ii, tl.sum(p, 0), mask=ii < n_vis)
+        tl.debug_barrier()
+        # ---- Eq. 9 (block-aligned): score[j] = sum_i P[i] * |[i*d, i*d+l) ∩ [j*ls, (j+1)*ls)| / d
+        R: tl.constexpr = LS // D
+        NL: tl.constexpr = L // D
+        j = tl.arange(0, NB_PAD)
+        score = tl.zeros([NB_PAD], tl.float32)
+        for k in tl.static_range(R + NL - 1):
+            i = R * j + (k - (NL - 1))
+            ok = (i >= 0) & (i < n_vis)
+            pv = tl.load(psum_base + i, mask=ok, other=0.0)
+            lo = tl.maximum(i * D, j * LS)
+            hi = tl.minimum(i * D + L, (j + 1) * LS)
+            wgt = (tl.maximum(hi - lo, 0) // D).to(tl.float32)
+            score += tl.where(ok, wgt * pv, 0.0)
+        # ---- Eqs. 11-12 with forcing: n_sel iterative argmaxes, ties to the lower index
+        last = t // LS
+        cand = j <= last
+        forced = cand & ((j < N_INIT) | (j > last - N_LOCAL))
+        val = tl.where(forced, float("inf"), score)  # >= 0 (or +inf): its bits order like the values
+        # one int64 max per pick: (value bits, NB_PAD-1-j) -> the largest value, ties to the lower j
+        key = (val.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
+        key = tl.where(cand, key, -1)
+        chosen = j < 0
+        for _ in tl.static_range(N_SEL):
+            mx = tl.max(key, 0)
+            hit = (key == mx) & (key >= 0)
+            chosen = chosen | hit
+            key = tl.where(hit, -1, key)
+        ci = chosen.to(tl.int32)
+        rank = tl.cumsum(ci, 0) - 1  # ascending order of the chosen blocks
+        tl.store(idx_ptr + bh * N_SEL + rank, j, mask=chosen)
+        cnt = tl.sum(ci, 0)
+        ks = tl.arange(0, BSEL)
+        tl.store(idx_ptr + bh * N_SEL + ks, tl.full([BSEL], -1, tl.int32), mask=(ks >= cnt) & (ks < N_SEL))
+
+
+@triton.jit
+def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+                    stride_qb, stride_qh,
+                    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                    stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh,
+                    qk_scale,
+                    H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    LS: tl.constexpr, W: tl.constexpr, N_SEL: tl.constexpr,
+                    NS_SEL: tl.constexpr, SEL_PER: tl.constexpr, SEL_VEC: tl.constexpr, NS_TOT: tl.constexpr,
+                    WIN_PER: tl.constexpr, NWC: tl.constexpr, SPLIT_OFF: tl.constexpr,
+                    BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLS: tl.constexpr, BW: tl.constexpr,
+                    PREC: tl.constexpr, COUNT: tl.constexpr):
+    """Splits 0..NS_SEL-1: SEL_PER selected blocks each (SEL_VEC per tile); the rest: WIN_PER
+    window tiles of BW tokens each. Tiles of either kind are NT = max(SEL_VEC*BLS, BW) wide."""
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1) + SPLIT_OFF
+    b = bh // H
+    h = bh % H
+    t = tl.load(pos_ptr).to(tl.int32)
+    offs_g = tl.arange(0, BG)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    gmask = offs_g < G
+    q = tl.load(q_ptr + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_dk[None, :],
+                mask=gmask[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    is_sel = sp < NS_SEL
+    if is_sel:
+        k_base = ks_ptr + b * stride_ksb + h * stride_ksh
+        v_base = vs_ptr + b * stride_vsb + h * stride_vsh
+        skt = stride_kst
+        svt = stride_vst
+        n_tiles = SEL_PER // SEL_VEC
+    else:
+        k_base = kw_ptr + b * stride_kwb + h * stride_kwh
+        v_base = vw_ptr + b * stride_vwb + h * stride_vwh
+        skt = stride_kwt
+        svt = stride_vwt
+        n_tiles = WIN_PER
+    ws = tl.maximum(t - W + 1, 0)
+    NT: tl.constexpr = SEL_VEC * BLS if SEL_VEC * BLS > BW else BW  # noqa: FURB136 (jit code)
+    offs = tl.arange(0, NT)
+    m_i = tl.full([BG], NEG, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    n_read = t * 0
+    for it in range(n_tiles):
+        if is_sel:
+            slot = sp * SEL_PER + it * SEL_VEC + offs // BLS
+            jb = tl.load(idx_ptr + bh * N_SEL + slot, mask=(slot < N_SEL) & (offs < SEL_VEC * BLS), other=-1)
+            r = offs % BLS
+            tok = jb * LS + r
+            tmask = (jb >= 0) & (r < LS) & (tok <= t)
+        else:
+            c = (sp - NS_SEL) * WIN_PER + it
+            tok = ws + c * BW + offs
+            tmask = (tok <= t) & (c < NWC) & (offs < BW)
+        kT = tl.load(k_base + tok[None, :] * skt + offs_dk[:, None],
+                     mask=tmask[None, :] & (offs_dk[:, None] < DK), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(v_base + tok[:, None] * svt + offs_dv[None, :],
+                    mask=tmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        if COUNT:
+            n_read += tl.sum(tmask.to(tl.int32), 0)
+    row = bh * NS_TOT + sp
+    tl.store(pm_ptr + row * BG + offs_g, m_i)
+    tl.store(pl_ptr + row * BG + offs_g, l_i)
+    tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
+    if COUNT:
+        tl.atomic_add(cnt_ptr + bh * 3 + tl.where(is_sel, 1, 2), n_read)
+
+
+@triton.jit
+def _dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
+                 H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+                 NS_SEL: tl.constexpr, NS_TOT: tl.constexpr,
+                 HAS_CMP: tl.constexpr, HAS_SEL: tl.constexpr, HAS_WIN: tl.constexpr,
+                 BG: tl.constexpr, BDV: tl.constexpr):
+    """o = g_cmp * o_cmp + g_sel * combine(sel partials) + g_win * combine(win partials)."""
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_g = tl.arange(0, BG)
+    offs_dv = tl.arange(0, BDV)
+    heads = h * G + offs_g
+    gmask = offs_g < G
+    omask = gmask[:, None] & (offs_dv[None, :] < DV)
+    g_base = g_ptr + b * stride_gb + heads * stride_gh
+    o = tl.zeros([BG, BDV], tl.float32)
+    if HAS_CMP:
+        gc = tl.load(g_base + 0, mask=gmask, other=0.0).to(tl.float32)
+        oc = tl.load(ocmp_ptr + (b * (H * G) + heads)[:, None] * DV + offs_dv[None, :], mask=omask, other=0.0)
+        o += gc[:, None] * oc
+    if HAS_SEL:
+        M = tl.full([BG], NEG, tl.float32)
+        for sp in tl.static_range(0, NS_SEL):
+            M = tl.maximum(M, tl.load(pm_ptr + (bh * NS_TOT + sp) * BG + offs_g))
+        Ls = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, BDV], tl.float32)
+        for sp in tl.static_range(0, NS_SEL):
+            row = bh * NS_TOT + sp
+            w = tl.exp2(tl.load(pm_ptr + row * BG + offs_g) - M)
+            Ls += tl.load(pl_ptr + row * BG + offs_g) * w
+            acc += tl.load(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :]) * w[:, None]
+        gs = tl.load(g_base + 1, mask=gmask, other=0.0).to(tl.float32)
+        o += gs[:, None] * (acc / tl.where(Ls > 0, Ls, 1.0)[:, None])
+    if HAS_WIN:
+        M = tl.full([BG], NEG, tl.float32)
+        for sp in tl.static_range(NS_SEL, NS_TOT):
+            M = tl.maximum(M, tl.load(pm_ptr + (bh * NS_TOT + sp) * BG + offs_g))
+        Ls = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, BDV], tl.float32)
+        for sp in tl.static_range(NS_SEL, NS_TOT):
+            row = bh * NS_TOT + sp
+            w = tl.exp2(tl.load(pm_ptr + row * BG + offs_g) - M)
+            Ls += tl.load(pl_ptr + row * BG + offs_g) * w
+            acc += tl.load(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :]) * w[:, None]
+        gw = tl.load(g_base + 2, mask=gmask, other=0.0).to(tl.float32)
+        o += gw[:, None] * (acc / tl.where(Ls > 0, Ls, 1.0)[:, None])
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=omask)

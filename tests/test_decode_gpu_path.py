@@ -1,0 +1,199 @@
+"""The GPU decode path (nsa.decode.GraphDecoder, kernels in nsa/backends/triton/_dec_kernels.py)
+against the reference decode (the module's own cached forward) and one prefill.
+
+Runs the Triton kernels through the interpreter on CPU tensors, float32, tiny shapes: eager steps
+(CUDA graphs are GPU-only; scripts/bench_decode.py checks the captured graph in bf16 on a GPU).
+Covers B=1 from an empty cache (no compressed token visible, fewer candidates than n_sel, the first
+emissions) and B=3 after a prefill (more candidates than n_sel, emissions at t = i*d + l - 1),
+G in {2, 4}, Dk != Dv, split-KV partials (several splits per branch), forced-branch outputs, and
+the kernels' token counters against an independent count. The kernel output workspace is poisoned
+with NaN before each step so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nsa import NSAAttention, NSAConfig, reference
+from nsa.decode import GraphDecoder, tokens_read
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_interpreter():
+    """Triton's interpreter re-patches triton.language on every nested @jit call (tl.max, tl.sum,
+    tl.cdiv ...), ~5 ms each; skip a re-patch of modules the running kernel already patched.
+    Test-speed only (the patched names are the same either way); restored after this module."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if not hasattr(interp, "_patch_lang"):
+        yield
+        return
+    orig = interp._patch_lang
+    state = {"done": None}
+
+    class _Null:
+        def restore(self):
+            pass
+
+    def fast(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if state["done"] is not None and langs <= state["done"]:
+            return _Null()
+        scope = orig(fn)
+        if state["done"] is None:
+            inner = scope.restore
+
+            def restore():
+                state["done"] = None
+                inner()
+            scope.restore = restore
+            state["done"] = langs
+        else:
+            state["done"] = state["done"] | langs
+        return scope
+
+    interp._patch_lang = fast
+    yield
+    interp._patch_lang = orig
+
+
+def _cfg(HQ, H, Dk, Dv, **kw):
+    base = {"l": 8, "d": 4, "l_sel": 8, "n_sel": 3, "w": 12, "n_init": 1, "n_local": 1}
+    base.update(kw)
+    return NSAConfig(dim=24, n_heads=HQ, n_kv_heads=H, d_k=Dk, d_v=Dv, **base)
+
+
+def _reference_branches(cfg, cache, q, t):
+    """Reference o_cmp / indices / o_sel / o_win for the query q [B,HQ,Dk] at position t."""
+    S = t + 1
+    nc = cfg.n_cmp(S)
+    qq = q[:, None]
+    o_c, idx = reference.compressed_branch(qq, cache.k_cmp[:, :nc], cache.v_cmp[:, :nc], cfg, q_start=t, n_keys=S)
+    o_s = reference.selected_attention(qq, cache.k_sel[:, :S], cache.v_sel[:, :S], idx, cfg, q_start=t)
+    o_w = reference.sliding_window_attention(qq, cache.k_win[:, :S], cache.v_win[:, :S], cfg, q_start=t)
+    return {"cmp": o_c[:, 0], "sel": o_s[:, 0], "win": o_w[:, 0]}, idx
+
+
+# (B, HQ, H, Dk, Dv, prefill, steps, config overrides, tuning)
+CASES = [
+    (1, 4, 2, 16, 8, 0, 20, {"l_sel": 4}, {"block_c": 4, "nsc": 2}),
+    (3, 4, 1, 16, 16, 22, 11, {"n_sel": 4, "n_local": 2, "phi": "avg", "gate_hidden": 0},
+     {"block_c": 4, "nsc": 2}),
+]
+IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
+
+
+@pytest.mark.parametrize("B,HQ,H,Dk,Dv,P,steps,over,tuning", CASES, ids=IDS)
+def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, tuning):
+    torch.manual_seed(0)
+    cfg = _cfg(HQ, H, Dk, Dv, **over)
+    m = NSAAttention(cfg).eval()
+    T = P + steps
+    x = torch.randn(B, T, cfg.dim) * 2
+    with torch.no_grad():
+        y_prefill = m(x)
+    cache, cref = m.new_cache(B, T), m.new_cache(B, T)
+    dec = GraphDecoder(m, cache, tuning=tuning)
+    assert dec.kernels.nsc >= 2 and dec.kernels.ns_sel >= 2  # split-KV partials are combined
+    if P:
+        dec.prefill(x[:, :P])
+        with torch.no_grad():
+            m(x[:, :P], cref)
+    for t in range(P, T):
+        dec.kernels.out.fill_(float("nan"))
+        y = dec.step(x[:, t:t + 1])
+        with torch.no_grad():
+            y_ref = m(x[:, t:t + 1], cref)
+        assert cache.length == cref.length == t + 1
+        torch.testing.assert_close(y, y_ref, **TOL, msg=f"step t={t} vs the module's decode")
+        torch.testing.assert_close(y[:, 0], y_prefill[:, t], **TOL, msg=f"step t={t} vs prefill")
+        # the top-n of the fused kernel equals the reference's (ties to the lower index, forcing)
+        _, idx = _reference_branches(cfg, cref, dec.last["q"], t)
+        assert torch.equal(dec.indices(), idx), f"t={t}: {dec.indices().tolist()} vs {idx.tolist()}"
+    # emitted compressed tokens equal the module's (the scratch row took the non-emitting steps)
+    nc = cfg.n_cmp(T)
+    torch.testing.assert_close(cache.k_cmp[:, :nc], cref.k_cmp[:, :nc], **TOL)
+    torch.testing.assert_close(cache.v_cmp[:, :nc], cref.v_cmp[:, :nc], **TOL)
+
+
+def test_forced_branches_and_token_counts():
+    torch.manual_seed(1)
+    cfg = _cfg(4, 2, 16, 16, n_sel=3, n_local=1)
+    m = NSAAttention(cfg).eval()
+    B, T = 2, 46
+    x = torch.randn(B, T, cfg.dim) * 2
+    cache = m.new_cache(B, T)
+    dec = GraphDecoder(m, cache, tuning={"block_c": 4, "nsc": 2})
+    dec.prefill(x[:, :T - 1])
+    t = T - 1
+    y = dec.step(x[:, t:t + 1], count=True)
+    q, g = dec.last["q"], dec.last["gates"]
+    ref, idx = _reference_branches(cfg, cache, q, t)
+    assert torch.equal(dec.indices(), idx)
+    dec.pos.fill_(t)  # attend again at the same position, one branch at a time
+    full = dec.attend(q, g).clone()
+    parts = {}
+    for i, b in enumerate(("cmp", "sel", "win")):
+        dec.kernels.out.fill_(float("nan"))
+        o = dec.attend(q, g, branches=(b,)).clone()
+        torch.testing.assert_close(o, g[..., i, None] * ref[b], **TOL, msg=f"branch {b}")
+        parts[b] = o
+    torch.testing.assert_close(full, parts["cmp"] + parts["sel"] + parts["win"], **TOL)
+    assert torch.isfinite(y).all()
+
+    # token counters (from the kernels' load masks) == independent counts from the indices
+    S = t + 1
+    cnt = dec.kernels.counts.view(B, cfg.n_kv_heads, 3).long()
+    ind = tokens_read(cfg, S, dec.indices())
+    assert torch.equal(cnt[..., 0], ind["cmp"]) and torch.equal(cnt[..., 1], ind["sel"])
+    assert torch.equal(cnt[..., 2], ind["win"])
+    # a literal count, position by position
+    for b in range(B):
+        for h in range(cfg.n_kv_heads):
+            blocks = [j for j in idx[b, 0, h].tolist() if j >= 0]
+            sel = {u for j in blocks for u in range(j * cfg.l_sel, (j + 1) * cfg.l_sel) if u <= t}
+            win = set(range(max(0, t - cfg.w + 1), t + 1))
+            ncmp = sum(1 for i in range(S) if i * cfg.d + cfg.l - 1 <= t)
+            assert ind["cmp"][b, h] == ncmp and ind["sel"][b, h] == len(sel) and ind["win"][b, h] == len(win)
+            assert ind["distinct"][b, h] == ncmp + len(sel | win)
+            assert ind["read"][b, h] <= ind["formula"]
+    assert ind["formula"] == cfg.decode_tokens_formula(S)
+
+
+def test_decode_chunk_equals_prefill():
+    """decode(x [B,T,dim]) = T single steps; equals prefill at those positions."""
+    torch.manual_seed(2)
+    cfg = _cfg(4, 2, 16, 16)
+    m = NSAAttention(cfg).eval()
+    x = torch.randn(1, 14, cfg.dim)
+    with torch.no_grad():
+        y_prefill = m(x)
+    dec = GraphDecoder(m, m.new_cache(1, 14), tuning={"nsc": 1})
+    dec.prefill(x[:, :9])
+    torch.testing.assert_close(dec.decode(x[:, 9:]), y_prefill[:, 9:], **TOL)
+
+
+def test_step_guards():
+    cfg = _cfg(4, 2, 16, 16)
+    m = NSAAttention(cfg)
+    cache = m.new_cache(1, 3)
+    dec = GraphDecoder(m, cache)
+    with pytest.raises(ValueError, match="expected"):
+        dec.step(torch.randn(2, 1, cfg.dim))
+    for i in range(3):
+        dec.step(torch.randn(1, 1, cfg.dim))
+    with pytest.raises(ValueError, match="max_len"):
+        dec.step(torch.randn(1, 1, cfg.dim))
+    with pytest.raises(RuntimeError, match="CUDA"):
+        dec.capture()
