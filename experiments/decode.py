@@ -1,0 +1,173 @@
+"""Decode benchmark: one step at context length seq, per branch, vs dense SDPA decode.
+
+    python -m experiments.decode -m seq_len=tiny            # CPU sweep (quickstart)
+    python -m experiments.decode -m seq_len=smoke model=bench4090 hardware=rtx4090 backend=triton
+
+The cache is filled with seq-1 tokens (the layer's projected and compressed keys/values, written
+chunk by chunk, exactly what a prefill leaves there); the timed step is the query at position
+t = seq-1, which attends to seq keys (so the paper's count at S = seq applies). Rows (column ``variant``):
+
+* ``layer``: the whole NSAAttention step (projections, cache write, compression, attention, output),
+  with branch_force applied through ``measure.ForcedBranch``;
+* ``nsa``: the attention core, all three branches gated (branch_force=none), or the forced branch;
+* ``cmp``/``sel``/``win``: each branch alone (with branch_force=none and decode.per_branch);
+* ``dense``: torch SDPA decode over seq keys with the same heads and dims.
+
+Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
+batch and groups), beside the paper's formula; bytes are summed over batch and groups.
+"""
+from __future__ import annotations
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from nsa import NSAAttention
+from nsa.decode import GraphDecoder
+
+from . import common, measure
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+def decoder_graph(dec: GraphDecoder, body):
+    """Capture ``body`` (a decoder step at a fixed position) in a CUDA graph; returns its replay."""
+    dec._warm(body)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    return g.replay
+
+
+def estimate_bytes(job: common.Job) -> float:
+    """Rough tensor memory: the cache (three branches' raw keys/values, +10 % compressed) and one
+    fill chunk's activations (input, queries, six key/value projections, about twice over)."""
+    c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
+    cache = d.batch * S * c.n_kv_heads * (c.d_k + c.d_v) * 3 * e * 1.1
+    C = min(d.prefill_chunk, S)
+    chunk = d.batch * C * (2 * c.dim + c.n_heads * (c.d_k + c.d_v) + 6 * c.n_kv_heads * (c.d_k + c.d_v)) * e * 2
+    return float(cache + chunk)
+
+
+def work(job: common.Job) -> common.Result:
+    d, c, S = job.cfg.decode, job.nsa, job.seq
+    common.check_memory(job, estimate_bytes(job))
+    B, dev, dt = d.batch, job.device, job.dtype
+    bw, branch = float(job.profile.peak_hbm_gbps), job.branch
+    elem = torch.empty((), dtype=dt).element_size()
+    layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
+    step_layer = layer if branch == "none" else measure.ForcedBranch(layer, branch)
+    rows, metrics = [], {}
+    # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
+    # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
+    graphs = bool(d.cuda_graph) and dev.type == "cuda"
+    use_decoder = graphs and all(job.plan[b] == "triton" for b in BRANCHES)
+    timed = ["layer", "nsa"] + (["cmp", "sel", "win"] if branch == "none" and d.per_branch else []) + ["dense"]
+
+    def progress(i, name, q):
+        common.say(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
+
+    with torch.no_grad():
+        cache = layer.new_cache(B, S, dev, dt)
+        for start in range(0, S - 1, d.prefill_chunk):  # fill positions 0 .. S-2
+            xc = torch.randn(B, min(d.prefill_chunk, S - 1 - start), c.dim, device=dev, dtype=dt)
+            layer._append(cache, xc, measure.project(layer, xc, start)[1])
+            cache.length = start + xc.shape[1]
+        xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
+
+        def layer_step():
+            cache.length = S - 1
+            step_layer(xs, cache)
+
+        if use_decoder:
+            # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
+            dec = GraphDecoder(layer, cache)
+            dec.x_static.copy_(xs)
+            forced = BRANCHES if branch == "none" else (branch,)
+            times = {"layer": measure.quantiles(measure.time_ms(
+                decoder_graph(dec, lambda: dec._body(dec.x_static, branches=forced, advance=False)),
+                dev, d.warmup, d.repeats))}
+        else:
+            fn = measure.graph_step(layer_step, dev) if graphs else layer_step
+            times = {"layer": measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))}
+        progress(1, "layer", times["layer"])
+        cache.length = S
+        inp = measure.cache_inputs(layer, cache, xs)
+        # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
+        t = torch.tensor(S - 1, device=dev)
+        idx = measure.selection_indices(inp, c, job.plan, job.fallback)
+        parts = measure.branch_tokens(c, t, measure.selected_tokens(idx, c, S - 1))
+        if use_decoder:
+            # The decode kernels' own counters must agree with the count from the indices.
+            q_d, g_d = inp.q[:, 0], inp.gates[:, 0]
+            dec.pos.fill_(S - 1)
+            dec.attend(q_d, g_d, count=True)
+            counted = dec.kernels.counts.view(B, c.n_kv_heads, 3).double().mean((0, 1)).tolist()
+            for b, n in zip(BRANCHES, counted):
+                metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
+                if abs(n - float(parts[b].double().mean())) > 0:
+                    raise RuntimeError(f"decode kernels counted {n} {b} tokens, indices give "
+                                       f"{float(parts[b].double().mean())}")
+        for i, v in enumerate(timed[1:-1], 2):
+            if use_decoder:
+                brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
+                g = dec.capture_attention(q_d, g_d, branches=brs, combine=(v == "nsa"))
+                times[v] = measure.quantiles(measure.time_ms(g.replay, dev, d.warmup, d.repeats))
+                progress(i, v, times[v])
+                continue
+            forced = branch if v == "nsa" else v
+
+            def step(forced=forced):
+                measure.core(forced, inp, c, job.plan, job.fallback)
+
+            fn = measure.graph_step(step, dev) if graphs else step
+            times[v] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
+            progress(i, v, times[v])
+        qd, kd, vd = inp.q, inp.k_win, inp.v_win
+        dense = (lambda: measure.dense_attention(qd, kd, vd, causal=False))
+        fn = measure.graph_step(dense, dev) if graphs else dense
+        times["dense"] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
+        progress(len(timed), "dense", times["dense"])
+
+    for v in timed:
+        if v == "dense":
+            tok = torch.full((B, 1, c.n_kv_heads), S)
+            formula = S
+        else:
+            what = branch if v in ("layer", "nsa") else v
+            tok = measure.variant_tokens(what, parts).cpu()
+            formula = measure.formula_tokens(what, c, S)
+            if use_decoder and v == "sel":
+                # The decoder's sel kernel alone reuses the step's top-n: it reads the selected tokens only.
+                tok, formula = parts["sel"].cpu(), min(c.n_sel * c.l_sel, S)
+        kv_bytes = int(tok.sum()) * (c.d_k + c.d_v) * elem
+        q = times[v]
+        gbps = kv_bytes / (q["p50_ms"] * 1e-3) / 1e9
+        row = {
+            "seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+            "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
+            "dtype": str(dt).replace("torch.", ""),
+            **q,
+            "kv_tokens_read_per_step_per_group": float(tok.double().mean()),
+            "kv_tokens_formula_per_step_per_group": formula,
+            "kv_bytes_read_per_step": kv_bytes,
+            "kv_gb_per_s": gbps,
+            "kv_bw_roofline_pct": 100.0 * gbps / bw,
+            "hbm_floor_ms": kv_bytes / (bw * 1e9) * 1e3,
+            "speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"],
+        }
+        rows.append(row)
+        for k in ("p20_ms", "p50_ms", "p80_ms", "kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step",
+                  "kv_gb_per_s", "kv_bw_roofline_pct", "speedup_vs_dense_x"):
+            metrics[f"{v}_{k}"] = row[k]
+        metrics[f"{v}_kv_tokens_formula_per_step_per_group"] = formula
+    return common.Result(rows, metrics, plot=("seq_tokens", "p50_ms", "variant"))
+
+
+@hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    common.run_job(cfg, "decode", work)
+
+
+if __name__ == "__main__":
+    common.launch(main)

@@ -1,0 +1,204 @@
+"""What the benchmarks time and count: the NSA attention core (all branches, or one forced alone),
+a forced-branch layer wrapper, the dense SDPA baseline, timers, and key/value token counts.
+
+Forcing a branch (``branch_force``) sets the gates one-hot, so the output is that branch's output;
+instead of computing the other branches and multiplying them by zero, their compute is skipped.
+The selected branch still runs the compressed scoring that picks its blocks (spec steps 1-4).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa import NSAAttention, NSAConfig, dispatch, functional
+
+BRANCHES = ("cmp", "sel", "win")
+
+
+@dataclass
+class CoreInputs:
+    """Attention inputs of one layer call: queries at q_start.., the cached/whole keys."""
+
+    q: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    gates: torch.Tensor
+    q_start: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")}
+
+
+def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None):
+    """NSA attention output ``[B,Tq,HQ,Dv]``. branch "none": all three branches with the gates
+    (``nsa.functional.nsa_attention``); "cmp"/"sel"/"win": that branch alone (one-hot gates)."""
+    if branch == "none":
+        return functional.nsa_attention(x.q, x.k_cmp, x.v_cmp, x.k_sel, x.v_sel, x.k_win, x.v_win, x.gates,
+                                        config, backend=dict(plan), q_start=x.q_start, fallback=fallback)
+    dev, dt = x.q.device, x.q.dtype
+    scale = x.q.shape[-1] ** -0.5
+    S = x.k_sel.shape[1]
+    if branch in ("cmp", "sel"):
+        o_cmp, idx = dispatch.choose("cmp", plan["cmp"], dev, dt, fallback).compressed(
+            x.q, x.k_cmp, x.v_cmp, config, scale=scale, q_start=x.q_start, n_keys=S)
+        if branch == "cmp":
+            return o_cmp
+        return dispatch.choose("sel", plan["sel"], dev, dt, fallback).selected(
+            x.q, x.k_sel, x.v_sel, idx, config, scale=scale, q_start=x.q_start)
+    if branch == "win":
+        return dispatch.choose("win", plan["win"], dev, dt, fallback).window(
+            x.q, x.k_win, x.v_win, config, scale=scale, q_start=x.q_start)
+    raise ValueError(f"branch_force={branch!r}: one of none, cmp, sel, win")
+
+
+def selection_indices(x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None):
+    """The block indices ``[B,Tq,H,n_sel]`` the configured cmp backend selects for these queries."""
+    scale = x.q.shape[-1] ** -0.5
+    be = dispatch.choose("cmp", plan["cmp"], x.q.device, x.q.dtype, fallback)
+    return be.compressed(x.q, x.k_cmp, x.v_cmp, config, scale=scale, q_start=x.q_start, n_keys=x.k_sel.shape[1])[1]
+
+
+def project(layer: NSAAttention, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The layer's queries, per-branch raw keys/values and gates for tokens x at positions start.."""
+    pos = torch.arange(start, start + x.shape[1], device=x.device)
+    return layer._project(x, pos)
+
+
+def prefill_inputs(layer: NSAAttention, x: torch.Tensor) -> CoreInputs:
+    """Core inputs of a whole-sequence (prefill) call: q, compressed and raw keys from the layer."""
+    q, kv, gates = project(layer, x)
+    k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    return CoreInputs(q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, 0)
+
+
+def cache_inputs(layer: NSAAttention, cache, x_step: torch.Tensor) -> CoreInputs:
+    """Core inputs of the decode step whose token (at position cache.length-1) is already cached."""
+    t = cache.length - 1
+    q, _, gates = project(layer, x_step, t)
+    c, S = layer.config, cache.length
+    Tc = c.n_cmp(S)
+    return CoreInputs(q, cache.k_cmp[:, :Tc], cache.v_cmp[:, :Tc], cache.k_sel[:, :S], cache.v_sel[:, :S],
+                      cache.k_win[:, :S], cache.v_win[:, :S], gates, t)
+
+
+class ForcedBranch(nn.Module):
+    """Wraps an NSAAttention so that only ``branch`` runs (gates one-hot, other branches skipped).
+    Same forward as the layer: ``(x [B,T,dim], cache=None) -> [B,T,dim]``."""
+
+    def __init__(self, layer: NSAAttention, branch: str):
+        super().__init__()
+        self.layer, self.branch = layer, branch
+
+    def forward(self, x, cache=None):
+        L, c = self.layer, self.layer.config
+        B, T, _ = x.shape
+        start = 0 if cache is None else cache.length
+        q, kv, gates = project(L, x, start)
+        if cache is None:
+            k_cmp, v_cmp = L._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+            keys = {n: kv[n] for n in ("k_sel", "v_sel", "k_win", "v_win")}
+        else:
+            k_cmp, v_cmp, keys = L._append(cache, x, kv)
+        inp = CoreInputs(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"], keys["v_win"], gates, start)
+        plan = dispatch.resolve(L.backend)
+        o = core(self.branch, inp, c, plan, L.fallback)
+        if cache is not None:
+            cache.length = start + T
+        return L.o_proj(o.reshape(B, T, c.n_heads * c.d_v))
+
+
+def dense_attention(q, k, v, causal: bool):
+    """Dense baseline: torch SDPA over ``[B,T,H*,D]`` layouts with grouped heads. A single decode
+    query is not causal-masked (is_causal aligns top-left: one query would see one key)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """CUDA-graph hook for decode steps: capture ``fn`` once (static inputs) and replay it.
+    When nsa exposes its own graph-capturable step API, return that here instead."""
+    if device.type != "cuda":
+        raise ValueError("decode.cuda_graph=true needs a CUDA device")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in ev]
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def quantiles(ms: list[float]) -> dict[str, float]:
+    t = torch.tensor(ms, dtype=torch.float64)
+    return {f"p{p}_ms": float(torch.quantile(t, p / 100)) for p in (20, 50, 80)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Counting what is read: tokens of keys/values whose scores enter a softmax
+# ------------------------------------------------------------------------------------------------
+def selected_tokens(idx: torch.Tensor, config: NSAConfig, q_start: int) -> torch.Tensor:
+    """Distinct raw tokens u <= t in the selected blocks, per query and group: ``[B,Tq,H]``.
+    idx ``[B,Tq,H,n_sel]`` (-1 padded); query i sits at position q_start + i."""
+    t = q_start + torch.arange(idx.shape[1], device=idx.device)[None, :, None, None]
+    per_block = (t + 1 - idx * config.l_sel).clamp(0, config.l_sel)
+    return torch.where(idx >= 0, per_block, torch.zeros_like(per_block)).sum(-1)
+
+
+def branch_tokens(config: NSAConfig, t: torch.Tensor, sel: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Key/value tokens each branch reads for queries at positions t (broadcast against sel [B,Tq,H])."""
+    n_cmp = torch.where(t + 1 >= config.l, (t + 1 - config.l) // config.d + 1, torch.zeros_like(t))
+    win = torch.clamp(t + 1, max=config.w)
+    return {"cmp": n_cmp.expand_as(sel), "sel": sel, "win": win.expand_as(sel)}
+
+
+def variant_tokens(variant: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Tokens a timed variant reads: all branches, one forced branch (sel also reads the compressed
+    tokens it scores with), per query and group."""
+    if variant in ("none", "nsa", "layer"):
+        return parts["cmp"] + parts["sel"] + parts["win"]
+    if variant == "sel":
+        return parts["cmp"] + parts["sel"]
+    return parts[variant]
+
+
+def formula_tokens(variant: str, config: NSAConfig, S: int) -> int:
+    """Paper Table 4's count at context S for the same variant (NSAConfig.decode_tokens_formula)."""
+    cmp, sel, win = config.n_cmp(S), min(config.n_sel * config.l_sel, S), min(config.w, S)
+    return {"cmp": cmp, "sel": cmp + sel, "win": win}.get(variant, config.decode_tokens_formula(S))

@@ -1,0 +1,122 @@
+"""Parity: each configured backend against the reference, output and every input gradient.
+
+    python -m experiments.parity backend=triton            # GPU: bf16 under test, fp32-upcast reference
+    python -m experiments.parity -m seq=64,128,256         # CPU: float32 under test, float64 reference
+
+Random inputs in the tested dtype; the reference sees the same values upcast (float64 on CPU,
+float32 on GPU; parity.ref_dtype overrides). The selected branch of both sides uses the
+reference's block indices, so a top-n tie flipped by rounding shows up once, as
+``index_mismatch_frac``, instead of as a large output error. A tensor over its tolerance
+(parity.tol.<dtype>: rel_l2, and max_abs times max(1, max |reference|)) fails the run after
+everything is logged.
+"""
+from __future__ import annotations
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from nsa import dispatch, reference
+
+from . import common
+
+TENSORS = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+
+
+def estimate_bytes(job: common.Job) -> float:
+    c, B, S = job.nsa, job.cfg.parity.batch, job.seq
+    # Inputs, outputs and gradients in the reference dtype (at most fp64) and the dtype under test; the
+    # reference's gathers and scores live one query chunk at a time (nsa.reference._CHUNK_BYTES, a few
+    # of them alive at once in backward), so they add a constant, not a term in S.
+    per_token = c.n_heads * (c.d_k + c.d_v) * 6 + c.n_kv_heads * (c.d_k + c.d_v) * 12
+    return float(B * S * per_token * 8 + 8 * reference._CHUNK_BYTES)
+
+
+def _forward(be, x, c, branch, idx_ref, scale, record):
+    """Output of the gated branches (or the forced one) with the given backends; idx: ref's."""
+    pick = (lambda b: dispatch.choose(b, be[b], x["q"].device, x["q"].dtype, None)) if record else \
+        (lambda b: dispatch.get("reference"))
+    S = x["k_sel"].shape[1]
+    outs, idx = {}, None
+    if branch in ("none", "cmp", "sel"):
+        outs["cmp"], idx = pick("cmp").compressed(x["q"], x["k_cmp"], x["v_cmp"], c, scale=scale, q_start=0, n_keys=S)
+    if branch in ("none", "sel"):
+        outs["sel"] = pick("sel").selected(x["q"], x["k_sel"], x["v_sel"], idx_ref if idx_ref is not None else idx,
+                                           c, scale=scale, q_start=0)
+    if branch in ("none", "win"):
+        outs["win"] = pick("win").window(x["q"], x["k_win"], x["v_win"], c, scale=scale, q_start=0)
+    if branch != "none":
+        return outs[branch], idx
+    g = x["gates"].unsqueeze(-1)
+    return g[..., 0, :] * outs["cmp"] + g[..., 1, :] * outs["sel"] + g[..., 2, :] * outs["win"], idx
+
+
+def work(job: common.Job) -> common.Result:
+    p, c, S, dev, dt = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype
+    common.check_memory(job, estimate_bytes(job))
+    ref_dt = common.DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)
+    tol = p.tol[job.cfg.dtype]
+    B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
+    g = torch.Generator(device="cpu").manual_seed(int(job.cfg.seed))
+    shapes = {"q": (B, S, HQ, Dk), "k_cmp": (B, c.n_cmp(S), H, Dk), "v_cmp": (B, c.n_cmp(S), H, Dv),
+              "k_sel": (B, S, H, Dk), "v_sel": (B, S, H, Dv), "k_win": (B, S, H, Dk), "v_win": (B, S, H, Dv),
+              "gates": (B, S, HQ, 3)}
+    base = {n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    base["gates"] = torch.sigmoid(base["gates"])
+    test = {n: t.to(dev, dt).requires_grad_(True) for n, t in base.items()}
+    ref = {n: t.detach().to(ref_dt).requires_grad_(True) for n, t in test.items()}  # same values, upcast
+    scale = Dk ** -0.5
+    common.say(f"[parity] seq={S}: reference in {ref_dt}, backends {job.plan} in {dt}")
+    o_ref, idx_ref = _forward(None, ref, c, job.branch, None, scale, record=False)
+    o_test, idx_test = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True)
+    dout = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
+    o_ref.backward(dout.to(dev, ref_dt))
+    o_test.backward(dout.to(dev, dt))
+    common.say(f"[parity] seq={S}: forward and backward done, comparing {1 + len(TENSORS)} tensors")
+
+    pairs = [("out", o_test.detach(), o_ref.detach())]
+    pairs += [(f"grad_{n}", test[n].grad, ref[n].grad) for n in TENSORS if ref[n].grad is not None]
+    rows, metrics, bad = [], {}, []
+    for name, a, r in pairs:
+        if a is None:
+            bad.append(f"{name}: the backend produced no gradient")
+            continue
+        d = a.to(ref_dt) - r
+        empty = d.numel() == 0
+        ref_max = 0.0 if empty else float(r.abs().max())
+        err = {"mean_abs_err": 0.0 if empty else float(d.abs().mean()),
+               "max_abs_err": 0.0 if empty else float(d.abs().max()),
+               "rel_l2_err": 0.0 if empty else float(d.norm() / r.norm().clamp_min(1e-30))}
+        limit = tol.max_abs * max(1.0, ref_max)  # max_abs tolerances scale with the tensor's magnitude
+        ok = err["max_abs_err"] <= limit and err["rel_l2_err"] <= tol.rel_l2
+        rows.append({"seq_tokens": S, "tensor": name, "dtype": str(dt).replace("torch.", ""),
+                     "ref_dtype": str(ref_dt).replace("torch.", ""), **err, "ref_max_abs": ref_max,
+                     "max_abs_limit": limit, "rel_l2_tol": tol.rel_l2, "within_tol": ok})
+        metrics.update({f"{name}_{k}": v for k, v in err.items()})
+        if not ok:
+            bad.append(f"{name} max_abs {err['max_abs_err']:.3g} (limit {limit:.3g}), "
+                       f"rel_l2 {err['rel_l2_err']:.3g} (tol {tol.rel_l2:g})")
+    if idx_ref is not None:
+        frac = float((idx_test != idx_ref).float().mean())
+        ok = frac <= tol.index_mismatch
+        rows.append({"seq_tokens": S, "tensor": "indices", "dtype": str(dt).replace("torch.", ""),
+                     "ref_dtype": str(ref_dt).replace("torch.", ""), "index_mismatch_frac": frac,
+                     "index_mismatch_tol": tol.index_mismatch, "within_tol": ok})
+        metrics["index_mismatch_frac"] = frac
+        if not ok:
+            bad.append(f"indices differ in {frac:.3%} of slots (tol {tol.index_mismatch:.3%})")
+    metrics["parity_failures"] = len(bad)
+    for r in rows:
+        common.say(f"[parity] seq={S} {r['tensor']:>12}: " + ("ok  " if r["within_tol"] else "FAIL") + " "
+                   + ", ".join(f"{k}={r[k]:.3g}" for k in ("max_abs_err", "rel_l2_err", "index_mismatch_frac") if k in r))
+    failure = f"parity: {len(bad)} over tolerance: " + "; ".join(bad) if bad else None
+    return common.Result(rows, metrics, failure=failure, plot=("seq_tokens", "rel_l2_err", "tensor"))
+
+
+@hydra.main(config_path="../conf", config_name="parity", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    common.run_job(cfg, "parity", work)
+
+
+if __name__ == "__main__":
+    common.launch(main)

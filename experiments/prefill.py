@@ -1,0 +1,107 @@
+"""Prefill benchmark: the attention core's forward and forward+backward vs dense causal SDPA.
+
+    python -m experiments.prefill -m seq_len=tiny
+    python -m experiments.prefill -m seq_len=paper model=h200bench backend=triton
+
+Queries, keys, values and gates come from an NSAAttention layer on random input (the compression
+phi included), then detached: the timed work is attention only (``measure.core``), like the
+dense baseline (SDPA, is_causal=True, grouped heads). Rows: ``nsa`` (all branches, or the forced one),
+``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense``.
+
+FLOPs count the matrix products over the keys each query really attends to (visible compressed
+tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. Forward+backward
+counts 3.5x the forward (backward = 2.5x: the FlashAttention benchmark convention).
+"""
+from __future__ import annotations
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from nsa import NSAAttention
+
+from . import common, measure
+
+BWD_FACTOR = 3.5
+
+
+def estimate_bytes(job: common.Job) -> float:
+    c, B, S = job.nsa, job.cfg.prefill.batch, job.seq
+    per_token = c.n_heads * (c.d_k + c.d_v) * 4 + c.n_kv_heads * (c.d_k + c.d_v) * 12 + 4 * c.dim
+    return float(B * S * per_token * job.dtype.itemsize)
+
+
+def work(job: common.Job) -> common.Result:
+    p, c, S = job.cfg.prefill, job.nsa, job.seq
+    common.check_memory(job, estimate_bytes(job))
+    B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch
+    layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
+    with torch.no_grad():
+        inp = measure.prefill_inputs(layer, torch.randn(B, S, c.dim, device=dev, dtype=dt))
+    for name, t in inp.tensors().items():
+        setattr(inp, name, t.detach().requires_grad_(True))
+    with torch.no_grad():
+        idx = measure.selection_indices(inp, c, job.plan, job.fallback)
+    t_pos = torch.arange(S, device=dev)[None, :, None]
+    parts = measure.branch_tokens(c, t_pos, measure.selected_tokens(idx, c, 0))
+    timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + ["dense"]
+    leaves = list(inp.tensors().values())
+
+    def run(v):
+        if v == "dense":
+            return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True)
+        return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback)
+
+    times, rows, metrics = {}, [], {}
+    for i, v in enumerate(timed, 1):
+        with torch.no_grad():
+            fwd = measure.quantiles(measure.time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
+        tq = {f"fwd_{k}": x for k, x in fwd.items()}
+        if p.backward:
+            dout = torch.randn_like(run(v).detach())
+
+            def fwd_bwd(v=v, dout=dout):
+                for t in leaves:
+                    t.grad = None
+                run(v).backward(dout)
+
+            tq.update({f"fwd_bwd_{k}": x for k, x in
+                       measure.quantiles(measure.time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+        times[v] = tq
+        common.say(f"[prefill] seq={S} [{i}/{len(timed)}] {v}: fwd p50 {tq['fwd_p50_ms']:.3f} ms"
+                   + (f", fwd+bwd p50 {tq['fwd_bwd_p50_ms']:.3f} ms" if p.backward else ""))
+
+    peak = float(job.profile.peak_bf16_tflops)
+    for v in timed:
+        if v == "dense":
+            tok = (t_pos + 1).expand(B, S, c.n_kv_heads)
+        else:
+            tok = measure.variant_tokens(branch if v == "nsa" else v, parts)
+        flop = 2.0 * (c.d_k + c.d_v) * c.G * float(tok.sum())
+        q = times[v]
+        row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+               "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
+               "dtype": str(dt).replace("torch.", ""), **q,
+               "kv_tokens_per_query_per_group": float(tok.double().mean()),
+               "attn_fwd_flop": flop,
+               "fwd_tflop_per_s": flop / (q["fwd_p50_ms"] * 1e-3) / 1e12,
+               "fwd_tflop_roofline_pct": 100.0 * flop / (q["fwd_p50_ms"] * 1e-3) / 1e12 / peak,
+               "fwd_speedup_vs_dense_x": times["dense"]["fwd_p50_ms"] / q["fwd_p50_ms"]}
+        if p.backward:
+            row.update({"attn_fwd_bwd_flop": BWD_FACTOR * flop,
+                        "fwd_bwd_tflop_per_s": BWD_FACTOR * flop / (q["fwd_bwd_p50_ms"] * 1e-3) / 1e12,
+                        "fwd_bwd_speedup_vs_dense_x": times["dense"]["fwd_bwd_p50_ms"] / q["fwd_bwd_p50_ms"]})
+        rows.append(row)
+        for k, x in row.items():
+            if k.endswith(("_ms", "_flop", "_per_s", "_pct", "_x", "_per_group")):
+                metrics[f"{v}_{k}"] = x
+    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"))
+
+
+@hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    common.run_job(cfg, "prefill", work)
+
+
+if __name__ == "__main__":
+    common.launch(main)

@@ -1,0 +1,135 @@
+"""Every config group composes, and each composed config validates (or fails) as documented."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import nsa
+from experiments import common, hardware
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+ENTRIES = ("decode", "prefill", "parity")
+GROUPS = common.groups()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hydra():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def _compose(entry, overrides=(), hydra_cfg=False):
+    return compose(config_name=entry, overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def test_groups_are_the_documented_decisions():
+    assert set(GROUPS) == {"hardware", "backend", "branch_force", "seq_len", "model", "tracking"}
+    assert set(GROUPS["hardware"]) == {"auto", "cpu", "rtx4090", "a100", "h100", "h200"}
+    assert {"reference", "sdpa", "triton", "fa2"} <= set(GROUPS["backend"])
+    assert set(GROUPS["branch_force"]) == {"none", "cmp", "sel", "win"}
+    assert {"tiny", "smoke", "paper"} <= set(GROUPS["seq_len"])
+    assert {"tiny", "paper", "bench4090", "h200bench"} <= set(GROUPS["model"])
+    assert set(GROUPS["tracking"]) == {"local", "server"}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_every_entry_composes_and_validates(entry):
+    cfg = _compose(entry, hydra_cfg=True)
+    raw = OmegaConf.to_container(cfg.hydra, resolve=False)
+    assert raw["job"]["chdir"] is False and raw["run"]["dir"].startswith("outputs/")
+    assert raw["sweep"]["dir"].startswith("outputs/") and raw["callbacks"]["mlflow"]["_target_"].endswith("TrackingCallback")
+    job = common.prepare(cfg, entry)
+    assert job.profile.name == "cpu" and job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
+def test_every_group_option_composes(group, option):
+    entry = "decode"
+    over = [f"{group}={option}"]
+    if group == "hardware" and option not in ("auto", "cpu"):
+        over.append("hardware.strict=false")  # a GPU profile on this CPU machine
+    cfg = _compose(entry, over)
+    assert cfg[group] is not None
+    if group == "backend" and option not in ("reference", "auto"):
+        return  # resolves, but the GPU backends may be unavailable here: checked when a job runs
+    job = common.prepare(cfg, entry)
+    assert job.seq == cfg.seq and isinstance(job.nsa, nsa.NSAConfig)
+
+
+def test_hardware_profiles():
+    for name in GROUPS["hardware"]:
+        if name == "auto":
+            continue
+        p = hardware.load_profile(name)
+        assert p.name == name and p.peak_hbm_gbps > 0 and p.peak_bf16_tflops > 0
+        assert set(p.policy.preferred) == {"cmp", "sel", "win"}
+    h200 = hardware.load_profile("h200")
+    assert (h200.peak_hbm_gbps, h200.peak_bf16_tflops) == (4300.0, 790.0)
+    assert list(h200.match.capability) == [9, 0] and "H200" in h200.match.name_contains
+    r = hardware.load_profile("rtx4090")
+    assert list(r.match.capability) == [8, 9] and r.policy.avoid.sel.backend == "triton"
+    # Recognition by name and capability; auto picks the matching profile.
+    dev = hardware.Device("cuda", "NVIDIA H200", (9, 0), "570", 1)
+    assert hardware.resolve_profile(OmegaConf.create({"name": "auto"}), dev)[0].name == "h200"
+    dev = hardware.Device("cuda", "NVIDIA GeForce RTX 4090", (8, 9), "570", 1)
+    assert hardware.resolve_profile(OmegaConf.create({"name": "auto"}), dev)[0].name == "rtx4090"
+    with pytest.raises(hardware.HardwareMismatch, match="hardware=h200 .*rtx|hardware=h200 .*4090"):
+        hardware.resolve_profile(hardware.load_profile("h200"), dev)
+
+
+def test_rtx4090_policy_keeps_triton_selection_off_unless_forced():
+    base = ["hardware=rtx4090", "hardware.strict=false", "backend=triton"]
+    job = common.prepare(_compose("decode", base), "decode")
+    assert job.plan == {"cmp": "triton", "sel": "reference", "win": "triton"}
+    assert len(job.policy_notes) == 1 and "sel: triton -> reference" in job.policy_notes[0]
+    job = common.prepare(_compose("decode", base + ["hardware.policy.force=true"]), "decode")
+    assert job.plan["sel"] == "triton" and not job.policy_notes
+
+
+def test_backend_auto_takes_the_profile_preference():
+    job = common.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
+    assert job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
+
+
+@pytest.mark.parametrize("name", GROUPS["seq_len"])
+def test_seq_len_presets_sweep_their_values(name):
+    cfg = _compose("decode", [f"seq_len={name}"], hydra_cfg=True)
+    swept = [int(v) for v in str(cfg.hydra.sweeper.params.seq).split(",")]
+    assert swept == list(cfg.seq_len["values"]) and all(v >= 1 for v in swept)
+
+
+def test_models():
+    b = _compose("decode", ["model=bench4090"]).model.nsa
+    assert (b.dim, b.n_heads, b.n_kv_heads, b.d_k, b.d_v, b.l, b.d, b.l_sel, b.n_sel, b.w) == \
+        (256, 8, 2, 32, 32, 32, 16, 64, 16, 512)
+    h = _compose("decode", ["model=h200bench"]).model.nsa
+    assert (h.n_heads, h.n_kv_heads, h.d_k, h.d_v, h.l_sel, h.n_sel, h.w) == (64, 4, 128, 128, 64, 16, 512)
+    p = _compose("decode", ["model=paper"]).model.nsa
+    assert (p.n_heads, p.n_kv_heads, p.d_k, p.d_v, p.l, p.d, p.l_sel, p.n_sel, p.w) == \
+        (64, 4, 192, 128, 32, 16, 64, 16, 512)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["model.nsa.l=20"], "NSAConfig.l=20"),
+    (["seq=0"], "seq=0"),
+    (["backend.sel=foo"], "backend.sel='foo'"),
+    (["backend.fallback=foo"], "backend.fallback='foo'"),
+    (["hardware=h200"], "hardware=h200 does not match"),
+    (["dtype=float8"], "dtype='float8'"),
+])
+def test_bad_configs_raise_one_line(over, needle):
+    with pytest.raises(common.ConfigError) as e:
+        common.prepare(_compose("decode", over), "decode")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_precheck_rejects_unknown_group_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        common.precheck_argv(["seq=64", "backend=reference,nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend=nope" in err[0]
+    common.precheck_argv(["backend=triton", "-m", "seq=1,2"])  # known options pass
