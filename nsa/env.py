@@ -1,10 +1,11 @@
 """The one place where this project reads environment variables.
 
-| variable | read by | meaning |
-|---|---|---|
-| ``TRITON_INTERPRET`` | :func:`triton_interpret` | ``1``: Triton kernels run on CPU tensors through Triton's interpreter (set it before ``import triton``; CI does, for kernel tests at small shapes) |
-| ``NSA_TOOLCHAIN`` | :func:`toolchain_id` | id of the torch/triton pairing under test, set by the nox sessions (e.g. ``torch2.4+triton3.0``), logged as the run's ``toolchain`` tag |
-| ``MLFLOW_TRACKING_URI`` | MLflow itself | overrides the tracking store; the ``tracking`` config group sets it explicitly instead |
+* ``TRITON_INTERPRET`` (:func:`triton_interpret`): ``1`` runs Triton kernels on CPU tensors through
+  Triton's interpreter. Set it before ``import triton``; CI does, for kernel tests at small shapes.
+* ``NSA_TOOLCHAIN`` (:func:`toolchain_id`): id of the torch/triton pairing under test, set by the nox
+  sessions (e.g. ``torch2.4+triton3.0``), logged as the run's ``toolchain`` tag.
+* ``MLFLOW_TRACKING_URI`` is read by MLflow itself; the ``tracking`` config group sets the store
+  explicitly instead.
 
 Everything else reaches the library as explicit arguments, filled from Hydra configs.
 """

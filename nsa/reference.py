@@ -98,7 +98,7 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
-    H, Dv = v_cmp.shape[2], v_cmp.shape[3]
+    Dv = v_cmp.shape[3]
     p = _cmp_probs(q, k_cmp, config, scale, q_start, 0, Tq)
     o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, Tq, HQ, Dv)
     return o.to(q.dtype), p.permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, -1).to(q.dtype)

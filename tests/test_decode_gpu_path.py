@@ -191,7 +191,7 @@ def test_step_guards():
     dec = GraphDecoder(m, cache)
     with pytest.raises(ValueError, match="expected"):
         dec.step(torch.randn(2, 1, cfg.dim))
-    for i in range(3):
+    for _ in range(3):
         dec.step(torch.randn(1, 1, cfg.dim))
     with pytest.raises(ValueError, match="max_len"):
         dec.step(torch.randn(1, 1, cfg.dim))
