@@ -11,33 +11,9 @@ import math
 import torch
 import triton
 
-from ... import env
 from ._cmp_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel, _topn_kernel
 
-
-def _fix_interpreter_index():
-    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``, but scalars
-    there are 1-element arrays and numpy >= 2.4 refuses that, so ``range(lo, hi)`` over runtime
-    scalars fails under TRITON_INTERPRET=1. Re-register ``__index__`` with ``.item()`` (interpreter
-    only; compiled kernels are untouched)."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_nsa_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._nsa_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if env.triton_interpret():
-    _fix_interpreter_index()
+from . import _interp  # noqa: F401  (interpreter shim, applied on import)
 
 LOG2E = 1.4426950408889634
 

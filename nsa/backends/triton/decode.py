@@ -11,35 +11,10 @@ import math
 
 import torch
 
-from ... import env
+from . import _interp  # noqa: F401  (interpreter shim, applied on import)
 from ._dec_kernels import _dec_cmp_partial, _dec_cmp_topk, _dec_combine, _dec_sv_partial
 
 LOG2E = 1.4426950408889634
-
-
-def _fix_interpreter_index():
-    """Triton 3.6's interpreter turns a runtime scalar into an int with ``int(array)``; its scalars
-    are 1-element arrays, which numpy >= 2.4 refuses, so ``range(lo, hi)`` over runtime scalars
-    fails under TRITON_INTERPRET=1. Re-register ``__index__`` with the first element (interpreter
-    only; the same fix as ``_cmp_ops``, idempotent with it)."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_nsa_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._nsa_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if env.triton_interpret():
-    _fix_interpreter_index()
 
 
 def _p2(n: int, lo: int = 1) -> int:

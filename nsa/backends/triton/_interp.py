@@ -1,0 +1,32 @@
+"""Interpreter compatibility shim, shared by every Triton kernel module of this backend.
+
+Applied only when ``TRITON_INTERPRET=1`` (``nsa.env``); compiled kernels are untouched.
+"""
+from __future__ import annotations
+
+from ... import env
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``, but scalars
+    there are 1-element arrays and numpy >= 2.4 refuses that, so ``range(lo, hi)`` over runtime
+    scalars fails under TRITON_INTERPRET=1. Re-register ``__index__`` with ``.item()`` (interpreter
+    only; compiled kernels are untouched)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_nsa_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._nsa_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if env.triton_interpret():
+    _fix_interpreter_index()
