@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import nsa
 from nsa import dispatch, env
+from nsa.toolchain import check_toolchain
 
 from . import hardware
 
@@ -130,6 +131,7 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
 
 
 def _prepare(cfg: DictConfig, entry: str) -> Job:
+    check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # a copy without the hydra node
     if "hydra" in cfg:
         del cfg["hydra"]
@@ -278,7 +280,7 @@ def environment(dev: hardware.Device) -> dict:
             "git_commit": commit or "unknown",
             "git_dirty": ("true" if _git("status", "--porcelain", "--untracked-files=no") else "false")
             if commit else "unknown",
-            "toolchain": env.toolchain_id(),
+            "toolchain": env.toolchain_id() or check_toolchain(),
             "host": platform.node(),
         })
     return {**_ENV, "device_type": dev.type, "device_name": dev.name,

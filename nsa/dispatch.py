@@ -81,6 +81,10 @@ def get(name: str) -> Backend:
         if name not in _LAZY:
             raise ValueError(f"backend={name!r}: unknown backend; known: {', '.join(known_backends())}")
         module, attr = _LAZY[name].split(":")
+        if name == "triton":
+            from .toolchain import check_toolchain
+
+            check_toolchain()  # refuses a known-bad torch/triton pairing (ToolchainError, one line)
         try:
             register(getattr(importlib.import_module(module), attr))
         except ImportError as e:

@@ -19,4 +19,5 @@ def triton_interpret() -> bool:
 
 
 def toolchain_id() -> str:
-    return os.environ.get("NSA_TOOLCHAIN", "local")
+    """The nox session's pairing id, or "" outside nox (callers then use nsa.toolchain.check_toolchain())."""
+    return os.environ.get("NSA_TOOLCHAIN", "")

@@ -1,0 +1,128 @@
+"""nox sessions: the test suite on each supported torch/triton pairing, on the local toolchain, and lint.
+
+    nox -s "tests(torch2.4+triton3.0)"   # one pairing, in its own virtualenv under .nox/
+    nox -s tests                         # every pairing (downloads several GB for the CUDA wheels)
+    nox -s local                         # the interpreter's own torch/triton; installs nothing
+    nox -s lint                          # ruff check
+
+Each ``tests`` session pins torch and triton exactly, installs them first, then the project with a
+constraints file that holds both pins (so the resolver can never swap the pinned torch for another),
+checks the installed versions against the pins, and runs pytest with ``NSA_TOOLCHAIN=<id>`` (runs get
+the ``toolchain`` tag) and ``TRITON_INTERPRET=1`` (Triton kernels run on the CPU, as in CI).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+# Keep each session's virtualenv between runs (the CUDA wheels of the old pairings are GBs); `nox -R`
+# also skips the install steps.
+nox.options.reuse_venv = "yes"
+
+ROOT = Path(__file__).parent
+
+# id -> exact pins. Keep in step with nsa/toolchain.py SUPPORTED_PAIRS (tests/test_toolchain.py checks).
+PAIRINGS: dict[str, dict[str, object]] = {
+    # The two oldest pairings also pin numpy<2: triton 3.0's interpreter silently writes nothing back
+    # to CPU tensors under NumPy 2 (a copy kernel gave zeros with numpy 2.4.6, the right values with
+    # 1.26.4), and triton 2.3's predates NumPy 2 too.
+    "torch2.3+triton2.3": {"torch": "2.3.1", "triton": "2.3.1", "extra": ["numpy<2"]},
+    "torch2.4+triton3.0": {"torch": "2.4.1", "triton": "3.0.0", "extra": ["numpy<2"]},
+    # The H200 box's toolchain (torch 2.11.0+cu130, triton 3.6.0).
+    "torch2.11+triton3.6": {"torch": "2.11.0", "triton": "3.6.0", "extra": []},
+    # The newest pairing that installs on the CPU machine: the local torch 2.13.0+cpu wheel with the
+    # triton that torch 2.13.0's CUDA wheels pin (3.7.1). (triton 3.8.0's interpreter also runs the
+    # kernels; 3.9.0's rejects the selection kernel's masks: "mask has unsupported dtype".)
+    "torch2.13+triton3.7": {"torch": "2.13.0", "triton": "3.7.1", "extra": []},
+}
+
+TEST_DEPS = ["pytest>=8"]
+
+
+def _pytest(session: nox.Session, toolchain: str, python: str = "python") -> None:
+    env = {"NSA_TOOLCHAIN": toolchain, "TRITON_INTERPRET": "1"}
+    t0 = time.monotonic()
+    # pytest's exit code 5 (no tests collected) fails the session, as in CI.
+    session.run(python, "-m", "pytest", "-q", *session.posargs, env=env)
+    session.log(f"[timing] {session.name}: tests {time.monotonic() - t0:.0f}s")
+
+
+_CHECK_VERSIONS = """
+import sys
+import torch
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = None
+want_torch, want_triton = sys.argv[1], sys.argv[2]
+got_torch = torch.__version__.split("+")[0]
+got_triton = triton_version.split("+")[0] if triton_version else None
+bad = []
+if got_torch != want_torch:
+    bad.append(f"torch {torch.__version__} (pinned {want_torch})")
+if got_triton != want_triton:
+    bad.append(f"triton {triton_version} (pinned {want_triton})")
+if bad:
+    sys.exit("installed versions differ from the pins: " + ", ".join(bad))
+from nsa.toolchain import check_toolchain
+print(f"torch {torch.__version__}, triton {triton_version}: toolchain {check_toolchain()}")
+"""
+
+
+@nox.session
+@nox.parametrize("toolchain", list(PAIRINGS), ids=list(PAIRINGS))
+def tests(session: nox.Session, toolchain: str) -> None:
+    """The test suite on one pinned torch/triton pairing."""
+    pins = PAIRINGS[toolchain]
+    torch_pin, triton_pin = f"torch=={pins['torch']}", f"triton=={pins['triton']}"
+    extra = list(pins["extra"])  # type: ignore[arg-type]
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text("\n".join([torch_pin, triton_pin, *extra]) + "\n")
+
+    t0 = time.monotonic()
+    # 1. torch and triton together, first, by exact pin (and whatever pins the pairing needs beside).
+    session.install(torch_pin, triton_pin, *extra)
+    # 2. The project and the test tools, held to the same pins: the resolver cannot replace torch.
+    session.install("-c", str(constraints), "-e", ".", *TEST_DEPS)
+    session.log(f"[timing] {session.name}: install {time.monotonic() - t0:.0f}s")
+    # 3. What is installed is what was pinned, or the session stops here.
+    check = Path(session.create_tmp()) / "check_versions.py"
+    check.write_text(_CHECK_VERSIONS)
+    session.run("python", str(check), str(pins["torch"]), str(pins["triton"]))
+    _pytest(session, toolchain)
+
+
+@nox.session(venv_backend="none")
+def local(session: nox.Session) -> None:
+    """The suite on the interpreter nox runs under, with its own torch/triton; installs nothing.
+
+    For GPU hosts with no network: there, ``nsa`` is found through the working tree (PYTHONPATH) and
+    hydra/omegaconf/mlflow through a carried wheelhouse (scripts/wheelhouse.py).
+    """
+    python = sys.executable
+    out = session.run(
+        python, "-c", "from nsa.toolchain import check_toolchain; print(check_toolchain())",
+        silent=True, env={"PYTHONPATH": _pythonpath()},
+    )
+    toolchain = str(out).strip().splitlines()[-1]
+    session.log(f"local toolchain: {toolchain} ({python})")
+    session.env["PYTHONPATH"] = _pythonpath()
+    _pytest(session, toolchain, python=python)
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check over the whole tree (ruff pinned: its default rule set changes between releases)."""
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
