@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, dispatch, functional
+from nsa._compat import sdpa_gqa
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -119,8 +119,7 @@ class ForcedBranch(nn.Module):
 def dense_attention(q, k, v, causal: bool):
     """Dense baseline: torch SDPA over ``[B,T,H*,D]`` layouts with grouped heads. A single decode
     query is not causal-masked (is_causal aligns top-left: one query would see one key)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=causal, enable_gqa=True)
+    out = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return out.transpose(1, 2)
 
 

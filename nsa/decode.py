@@ -28,8 +28,8 @@ own counters (``count=True``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ._compat import sdpa_gqa
 from .config import NSAConfig
 from .module import NSAAttention, NSACache
 
@@ -299,8 +299,8 @@ def reference_decode_step(module: NSAAttention, cache: NSACache, x: torch.Tensor
 
 
 def dense_decode_sdpa(q, k, v):
-    """Dense decode baseline: q [B,HQ,1,D], k/v [B,HQ or H,S,D] (GQA via enable_gqa)."""
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+    """Dense decode baseline: q [B,HQ,1,D], k/v [B,HQ or H,S,D] (grouped heads: ``nsa._compat.sdpa_gqa``)."""
+    return sdpa_gqa(q, k, v)
 
 
 __all__ = ["DecodeState", "GraphDecoder", "bytes_read", "dense_decode_sdpa", "reference_decode_step", "tokens_read"]

@@ -121,3 +121,17 @@ def test_dispatch_refuses_the_triton_backend_on_a_known_bad_pair(monkeypatch):
     with pytest.raises(ToolchainError, match=r"torch 2\.4\.1 with triton 2\.3\.1 is a known-bad pairing"):
         dispatch.get("triton")
     assert "triton" not in dispatch._REGISTRY
+
+
+def test_triton_backend_is_unavailable_below_triton_3(monkeypatch):
+    """triton 2.x lacks what the kernels use: the backend says so instead of failing to compile."""
+    import torch
+
+    import nsa._compat
+    from nsa.backends.triton import BACKEND
+
+    monkeypatch.setattr(nsa._compat, "triton_version", lambda: (2, 3))
+    reason = BACKEND.unavailable("sel", torch.device("cuda"), torch.bfloat16)
+    assert reason == "triton 2.3 cannot run these kernels (they need triton >= 3.0)"
+    monkeypatch.setattr(nsa._compat, "triton_version", lambda: (3, 0))
+    assert BACKEND.unavailable("sel", torch.device("cuda"), torch.bfloat16) is None

@@ -15,8 +15,8 @@ back inside this backend.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from .._compat import sdpa_gqa
 from ..dispatch import Backend
 
 _FLEX = None
@@ -73,13 +73,12 @@ def sdpa_window(q, k, v, w: int, scale: float, q_start: int):
     t = q_start + torch.arange(Tq, device=q.device)[:, None]
     u = torch.arange(S, device=q.device)[None, :]
     band = (u <= t) & (u > t - w)
-    o = F.scaled_dot_product_attention(
+    o = sdpa_gqa(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=band,
         scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
     )
     return o.transpose(1, 2)
 

@@ -15,6 +15,19 @@ from ... import env
 from ...dispatch import Backend
 
 
+def triton_unsupported() -> str | None:
+    """Why the installed triton cannot run these kernels, or None (from ``triton.__version__``).
+    Triton < 3.0 (2.3): its language lacks ``tl.exp2``/``tl.log2`` and ``tl.dot(input_precision=)``,
+    which the kernels use, and its interpreter returns raw numpy arrays from ``x[:, None]`` and lacks
+    ``tl.minimum`` and atomics. The reference backend runs there."""
+    from ..._compat import triton_version
+
+    major, minor = triton_version()
+    if (major, minor) < (3, 0):
+        return f"triton {major}.{minor} cannot run these kernels (they need triton >= 3.0)"
+    return None
+
+
 class TritonBackend(Backend):
     name = "triton"
 
@@ -25,10 +38,8 @@ class TritonBackend(Backend):
             return f"triton is not installed ({e})"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"dtype {dtype} unsupported (float16, bfloat16, float32)"
-        if device.type == "cuda":
-            return None
-        if device.type == "cpu" and env.triton_interpret():
-            return None
+        if device.type == "cuda" or (device.type == "cpu" and env.triton_interpret()):
+            return triton_unsupported()
         return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys):

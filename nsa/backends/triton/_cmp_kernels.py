@@ -23,8 +23,8 @@ softmax. Backward: a dq kernel (per query tile) and a dk/dv kernel (per key tile
 query tiles that see it), both recomputing p from the saved log-sum-exp (base 2).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
 import triton
 import triton.language as tl
 

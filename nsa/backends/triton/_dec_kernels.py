@@ -20,8 +20,9 @@ one CUDA graph serves every step:
 Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
 ``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
 """
-from __future__ import annotations
 
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
 import triton
 import triton.language as tl
 
@@ -38,7 +39,9 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
                      H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      L: tl.constexpr, D: tl.constexpr, NSC: tl.constexpr,
                      BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PREC: tl.constexpr, COUNT: tl.constexpr):
+                     PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr):
+    # SMALL_DOT: BLOCK_C is below the tl.dot minimum of the running triton (16 on triton 3.0, even
+    # under the interpreter); the two products are then broadcast-multiply-sums in fp32.
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // H
@@ -66,7 +69,10 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
         tmask = tok < c1
         kT = tl.load(k_base + tok[None, :] * stride_kt + offs_dk[:, None],
                      mask=tmask[None, :] & (offs_dk[:, None] < DK), other=0.0)
-        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        if SMALL_DOT:
+            s = tl.sum(q.to(tl.float32)[:, :, None] * kT.to(tl.float32)[None, :, :], 1) * qk_scale
+        else:
+            s = tl.dot(q, kT, input_precision=PREC) * qk_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         tl.store(s_base + offs_g[:, None] * TCS + tok[None, :], s, mask=gmask[:, None] & tmask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -74,7 +80,10 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
         p = tl.exp2(s - m_new[:, None])
         v = tl.load(v_base + tok[:, None] * stride_vt + offs_dv[None, :],
                     mask=tmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        if SMALL_DOT:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     row = bh * NSC + sp

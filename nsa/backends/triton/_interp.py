@@ -4,6 +4,8 @@ Applied only when ``TRITON_INTERPRET=1`` (``nsa.env``); compiled kernels are unt
 """
 from __future__ import annotations
 
+import inspect
+
 from ... import env
 
 
@@ -11,13 +13,23 @@ def _fix_interpreter_index():
     """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``, but scalars
     there are 1-element arrays and numpy >= 2.4 refuses that, so ``range(lo, hi)`` over runtime
     scalars fails under TRITON_INTERPRET=1. Re-register ``__index__`` with ``.item()`` (interpreter
-    only; compiled kernels are untouched)."""
+    only; compiled kernels are untouched).
+
+    Only for interpreters with the ``_patch_lang_tensor(tensor, scope)`` form this was written for
+    (triton >= 3.x with ``_LangPatchScope``): triton 3.0 has ``(tensor)``, triton 2.3 has
+    ``(tensor, builder)``, and both run only with numpy < 2, which still accepts ``int(array)``."""
     try:
         from triton.runtime import interpreter
     except ImportError:
         return
     orig = getattr(interpreter, "_patch_lang_tensor", None)
     if orig is None or getattr(orig, "_nsa_fixed", False):
+        return
+    try:
+        params = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        return
+    if params != ["tensor", "scope"] or not hasattr(interpreter, "_LangPatchScope"):
         return
 
     def patched(tensor, scope):

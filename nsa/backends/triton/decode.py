@@ -11,10 +11,14 @@ import math
 
 import torch
 
+from ..._compat import triton_version
 from . import _interp  # noqa: F401  (interpreter shim, applied on import)
 from ._dec_kernels import _dec_cmp_partial, _dec_cmp_topk, _dec_combine, _dec_sv_partial
 
 LOG2E = 1.4426950408889634
+# Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and
+# interpreted); later versions ask the target (the interpreter takes any size).
+_DOT_MIN = 16 if triton_version() < (3, 1) else 1
 
 
 def _p2(n: int, lo: int = 1) -> int:
@@ -117,7 +121,7 @@ class DecodeKernels:
                 v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), qk, self.TCS,
                 H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, NSC=self.nsc,
                 BG=self.BG, BDK=self.BDK, BDV=self.BDV, BLOCK_C=self.block_c, PREC=self.prec, COUNT=count,
-                num_warps=nw)
+                SMALL_DOT=self.block_c < _DOT_MIN, num_warps=nw)
             _dec_cmp_topk[(BH,)](
                 pos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, self.TCS,
                 H=H, G=G, DV=c.d_v, L=c.l, D=c.d, LS=c.l_sel, NSC=self.nsc, NSC_PAD=_p2(self.nsc, 2),

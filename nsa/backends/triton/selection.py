@@ -28,8 +28,9 @@ gathered K/V through L2 (~7.9 TB/s), which bounds the query-outer design.
 Softmax statistics are kept in base 2 (``lse2 = log2 sum exp2(scale*log2(e)*q.k)``). All offsets
 are computed in int64. Accumulation is fp32; fp32 inputs use IEEE fp32 products (no tf32).
 """
-from __future__ import annotations
 
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
 import math
 
 import torch

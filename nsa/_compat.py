@@ -1,0 +1,50 @@
+"""Compatibility helpers across the supported torch versions (see ``nsa.toolchain``)."""
+from __future__ import annotations
+
+import inspect
+import re
+
+import torch
+import torch.nn.functional as F
+
+
+def _sdpa_has_enable_gqa() -> bool:
+    # ``enable_gqa`` appeared in torch 2.5. SDPA is a builtin there, so its signature may not be
+    # introspectable: fall back to the docstring, which lists every keyword.
+    fn = F.scaled_dot_product_attention
+    try:
+        return "enable_gqa" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "enable_gqa" in (getattr(fn, "__doc__", None) or "")
+
+
+SDPA_ENABLE_GQA = _sdpa_has_enable_gqa()
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with grouped heads: q ``[B, HQ, T, D]``, k/v
+    ``[B, H, S, D]`` with H dividing HQ (query head j reads kv head j // (HQ // H)). Passes
+    ``enable_gqa=True`` where torch has it (>= 2.5), otherwise repeats k/v over the group.
+    Other keyword arguments (``attn_mask``, ``is_causal``, ``scale`` ...) go to SDPA unchanged."""
+    HQ, H = q.shape[-3], k.shape[-3]
+    if HQ == H:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if HQ % H or v.shape[-3] != H:
+        raise ValueError(f"grouped attention needs kv heads dividing query heads, got q {HQ}, k {H}, v {v.shape[-3]}")
+    if SDPA_ENABLE_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+    G = HQ // H
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(G, dim=-3), v.repeat_interleave(G, dim=-3), **kwargs)
+
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the installed triton; (0, 0) when it is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return (0, 0)
+    parts = re.findall(r"\d+", triton.__version__)[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+__all__ = ["SDPA_ENABLE_GQA", "sdpa_gqa", "triton_version"]
