@@ -116,11 +116,20 @@ class ForcedBranch(nn.Module):
         return L.o_proj(o.reshape(B, T, c.n_heads * c.d_v))
 
 
-def dense_attention(q, k, v, causal: bool):
+def dense_attention(q, k, v, causal: bool, kernel: str = "auto"):
     """Dense baseline: torch SDPA over ``[B,T,H*,D]`` layouts with grouped heads. A single decode
-    query is not causal-masked (is_causal aligns top-left: one query would see one key)."""
-    out = sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-    return out.transpose(1, 2)
+    query is not causal-masked (is_causal aligns top-left: one query would see one key).
+    ``kernel``: "auto" lets PyTorch pick (cuDNN attention on an H200 with torch 2.11), "flash" forces
+    its FlashAttention-2 kernel (``SDPBackend.FLASH_ATTENTION``; an error where it cannot run)."""
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if kernel == "auto":
+        return sdpa_gqa(*args, is_causal=causal).transpose(1, 2)
+    if kernel != "flash":
+        raise ValueError(f"kernel={kernel!r}: one of auto, flash")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return sdpa_gqa(*args, is_causal=causal).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------

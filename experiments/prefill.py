@@ -6,7 +6,8 @@
 Queries, keys, values and gates come from an NSAAttention layer on random input (the compression
 phi included), then detached: the timed work is attention only (``measure.core``), like the
 dense baseline (SDPA, is_causal=True, grouped heads). Rows: ``nsa`` (all branches, or the forced one),
-``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense``.
+``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense`` (SDPA picks its
+kernel) and, on CUDA with prefill.dense_flash, ``dense_flash`` (SDPA forced to FlashAttention-2).
 
 FLOPs count the matrix products over the keys each query really attends to (visible compressed
 tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. Forward+backward
@@ -44,12 +45,14 @@ def work(job: common.Job) -> common.Result:
         idx = measure.selection_indices(inp, c, job.plan, job.fallback)
     t_pos = torch.arange(S, device=dev)[None, :, None]
     parts = measure.branch_tokens(c, t_pos, measure.selected_tokens(idx, c, 0))
-    timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + ["dense"]
+    dense = ["dense"] + (["dense_flash"] if p.dense_flash and dev.type == "cuda" else [])
+    timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense
     leaves = list(inp.tensors().values())
 
     def run(v):
-        if v == "dense":
-            return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True)
+        if v in ("dense", "dense_flash"):
+            return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True,
+                                           kernel="flash" if v == "dense_flash" else "auto")
         return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback)
 
     times, rows, metrics = {}, [], {}
@@ -73,7 +76,7 @@ def work(job: common.Job) -> common.Result:
 
     peak = float(job.profile.peak_bf16_tflops)
     for v in timed:
-        if v == "dense":
+        if v in dense:
             tok = (t_pos + 1).expand(B, S, c.n_kv_heads)
         else:
             tok = measure.variant_tokens(branch if v == "nsa" else v, parts)
@@ -86,11 +89,12 @@ def work(job: common.Job) -> common.Result:
                "attn_fwd_flop": flop,
                "fwd_tflop_per_s": flop / (q["fwd_p50_ms"] * 1e-3) / 1e12,
                "fwd_tflop_roofline_pct": 100.0 * flop / (q["fwd_p50_ms"] * 1e-3) / 1e12 / peak,
-               "fwd_speedup_vs_dense_x": times["dense"]["fwd_p50_ms"] / q["fwd_p50_ms"]}
+               **{f"fwd_speedup_vs_{d}_x": times[d]["fwd_p50_ms"] / q["fwd_p50_ms"] for d in dense}}
         if p.backward:
             row.update({"attn_fwd_bwd_flop": BWD_FACTOR * flop,
                         "fwd_bwd_tflop_per_s": BWD_FACTOR * flop / (q["fwd_bwd_p50_ms"] * 1e-3) / 1e12,
-                        "fwd_bwd_speedup_vs_dense_x": times["dense"]["fwd_bwd_p50_ms"] / q["fwd_bwd_p50_ms"]})
+                        **{f"fwd_bwd_speedup_vs_{d}_x": times[d]["fwd_bwd_p50_ms"] / q["fwd_bwd_p50_ms"]
+                           for d in dense}})
         rows.append(row)
         for k, x in row.items():
             if k.endswith(("_ms", "_flop", "_per_s", "_pct", "_x", "_per_group")):

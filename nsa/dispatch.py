@@ -7,6 +7,9 @@ A backend implements three branch operators with the reference's signatures
 * ``sel``: selected attention given indices -> ``o_sel``
 * ``win``: sliding-window attention -> ``o_win``
 
+and the gated sum of the three outputs (``combine``, spec step 7), which runs on the backend chosen
+for the ``sel`` branch (the base class: the plain PyTorch expression; ``triton``: one fused kernel).
+
 ``backend`` arguments take a name (every branch) or a mapping ``{"cmp": .., "sel": .., "win": ..}``.
 A backend that cannot run a branch on the given device/dtype raises ``BackendUnavailable`` naming
 the branch, backend and reason. Only when the caller passes ``fallback="<name>"`` does the
@@ -57,6 +60,11 @@ class Backend:
 
     def window(self, q, k_win, v_win, config, *, scale, q_start):
         return reference.sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+
+    def combine(self, o_cmp, o_sel, o_win, gates):
+        """Gated sum (paper Eq. 5): ``sum_c gates[..., c, None] * o_c``, gates ``[B,Tq,HQ,3]``."""
+        g = gates.unsqueeze(-1)
+        return g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
 
 
 _REGISTRY: dict[str, Backend] = {"reference": Backend()}

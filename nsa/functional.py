@@ -184,10 +184,9 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
 
     o_cmp, idx = dispatch.choose("cmp", plan["cmp"], dev, dt, fallback).compressed(
         q, k_cmp, v_cmp, config, scale=sc, q_start=q_start, n_keys=S)
-    o_sel = dispatch.choose("sel", plan["sel"], dev, dt, fallback).selected(
-        q, k_sel, v_sel, idx, config, scale=sc, q_start=q_start)
+    be_sel = dispatch.choose("sel", plan["sel"], dev, dt, fallback)
+    o_sel = be_sel.selected(q, k_sel, v_sel, idx, config, scale=sc, q_start=q_start)
     o_win = dispatch.choose("win", plan["win"], dev, dt, fallback).window(
         q, k_win, v_win, config, scale=sc, q_start=q_start)
-    g = gates.unsqueeze(-1)
-    o = g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
+    o = be_sel.combine(o_cmp, o_sel, o_win, gates)
     return (o, idx) if return_indices else o

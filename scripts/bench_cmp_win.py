@@ -1,6 +1,6 @@
 """Check and time the compressed (cmp) and sliding-window (win) branches on one GPU.
 
-    python scripts/bench_cmp_win.py [--out DIR] [--T 8192,16384,32768,65536] [--quick]
+    python scripts/bench_cmp_win.py [--out DIR] [--T 8192,16384,32768,65536] [--quick | --tune-bwd]
 
 1. Correctness in bf16 against ``nsa.reference`` on fp32-upcast inputs (T <= 8k): o_cmp, the top-n
    indices (share equal; bf16 rounding can reorder near-ties), dq/dk/dv; the fp32 Triton path (ieee
@@ -233,23 +233,7 @@ def parts(res, T=65536):
     out = torch.empty(1, c, 4, cfg.n_sel, device=DEV, dtype=torch.int64)
 
     def run():
-        _cmp_ops._topn_kernel[(triton.cdiv(4 * c, 2),)](
-            sc,
-            out,
-            4 * c,
-            c,
-            nb,
-            T - c,
-            H=4,
-            NBP=triton.next_power_of_2(nb),
-            N_SEL=16,
-            NSP=16,
-            N_INIT=1,
-            N_LOCAL=2,
-            L_SEL=64,
-            RB=2,
-            num_warps=4,
-        )
+        _cmp_ops.topn_launch(sc, out, T - c, nb, cfg)
 
     run()
     ref = reference.select_blocks(sc, cfg, q_start=T - c)
@@ -263,15 +247,16 @@ def parts(res, T=65536):
     print("parts", res["parts"], flush=True)
 
 
-def tune_sweep(res, T=65536):
-    """Forward tile variants of the Triton cmp/win kernels at one T (rows per program, keys per tile,
-    warps, stages)."""
+def tune_sweep(res, T=65536, fwd=True):
+    """Tile variants of the Triton cmp/win kernels at one T (rows per program, keys per tile, warps,
+    stages; forward, then backward)."""
     cfg = cfg_for()
     x = inputs(cfg, 1, T, torch.bfloat16, seed=3)
     base = dict(_cmp_ops.TUNE["cuda"])
-    for rows, bn, warps, stages in ((128, 64, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3)):
-        _cmp_ops.TUNE["cuda"].update(rows=rows, block_n=bn, warps=warps, stages=stages)
-        entry = dict(rows=rows, block_n=bn, warps=warps, stages=stages)
+    for rows, bn, warps, stages, lo in ((64, 64, 4, 2, False), (64, 64, 4, 2, True), (128, 64, 8, 3, False),
+                                        (64, 64, 8, 2, False))[: None if fwd else 0]:
+        _cmp_ops.TUNE["cuda"].update(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo)
+        entry = dict(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo)
         try:
             with torch.no_grad():
                 entry["cmp_fwd"] = bench(lambda: compressed_branch(x["q"], x["kc"], x["vc"], cfg), rep=100)
@@ -284,9 +269,12 @@ def tune_sweep(res, T=65536):
         print("tune", entry, flush=True)
     _cmp_ops.TUNE["cuda"].update(base)
     base = dict(_cmp_ops.TUNE["cuda"])
-    for rows, bn, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2)):
-        _cmp_ops.TUNE["cuda"].update(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages)
-        entry = dict(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages)
+    for rows, bn, warps, stages, progs, smax in ((128, 64, 8, 2, 1024, 16), (64, 64, 4, 2, 1024, 16),
+                                                 (128, 64, 8, 2, 4096, 32)):
+        _cmp_ops.TUNE["cuda"].update(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages,
+                                     bwd_programs=progs, bwd_split_max=smax)
+        entry = dict(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages, bwd_programs=progs,
+                     bwd_split_max=smax)
         try:
             for name, fn, xs in (
                 ("cmp", lambda q, k, v: compressed_branch(q, k, v, cfg)[0], [x["q"], x["kc"], x["vc"]]),
@@ -310,6 +298,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "outputs"))
     ap.add_argument("--T", default="8192,16384,32768,65536")
     ap.add_argument("--quick", action="store_true", help="skip the tile sweep")
+    ap.add_argument("--tune-bwd", action="store_true", help="only the backward part of the tile sweep")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = dict(
@@ -331,7 +320,7 @@ def main():
         ("check", lambda: check(res)),
         ("parts", lambda: parts(res)),
         ("times", lambda: timings(res, [int(t) for t in a.T.split(",")])),
-        ("tune", (lambda: None) if a.quick else (lambda: tune_sweep(res))),
+        ("tune", (lambda: None) if a.quick else (lambda: tune_sweep(res, fwd=not a.tune_bwd))),
     ):
         try:
             fn()

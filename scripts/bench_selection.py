@@ -9,7 +9,8 @@
 
 Writes $OUT/selection.json (or ./selection.json) and prints a table last. Imports only torch,
 triton and nsa. Usage: ``python scripts/bench_selection.py [--quick] [--T 8192,65536] [--plan 16:query,1:block]
-[--variants "65536;16:query:{\"num_stages\": 3}"]``.
+[--variants "65536;16:query:{\"num_stages\": 3};16:query:{\"dk\": 192, \"dv\": 128}"]`` (opts go to the
+kernels; "dk"/"dv" set the head dims, 128 otherwise).
 """
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def check(HQ, Dk, Dv, T, mode, B=1):
 
 
 def bench(HQ, T, mode, D=128, B=1, reps=(50, 300), opts=None):
-    cfg = config(HQ, D, D)
+    opts = dict(opts or {})
+    Dk, Dv = opts.pop("dk", D), opts.pop("dv", D)  # e.g. the paper's Dk=192 / Dv=128
+    cfg = config(HQ, Dk, Dv)
     q, k, v, do, idx = inputs(cfg, B, T, torch.bfloat16)
     fwd = lambda: selection.selected_attention(q, k, v, idx, cfg, mode=mode, opts=opts)
     with torch.no_grad():
@@ -95,8 +98,8 @@ def bench(HQ, T, mode, D=128, B=1, reps=(50, 300), opts=None):
 
     t_fb = triton.testing.do_bench(fb, warmup=reps[0], rep=reps[1], grad_to_none=[qg, kg, vg], return_mode="median")
     n_pairs = (idx >= 0).sum().item() * cfg.l_sel * (HQ // H)  # (query head, key) pairs, full blocks
-    flop_f = 4 * n_pairs * D
-    return dict(T=T, HQ=HQ, G=HQ // H, mode=mode, opts=opts or {}, fwd_ms=round(t_f, 3), fwdbwd_ms=round(t_fb, 3),
+    flop_f = 2 * n_pairs * (Dk + Dv)
+    return dict(T=T, HQ=HQ, G=HQ // H, Dk=Dk, Dv=Dv, mode=mode, opts=opts or {}, fwd_ms=round(t_f, 3), fwdbwd_ms=round(t_fb, 3),
                 fwd_tflops=round(flop_f / t_f / 1e9, 1), fwdbwd_tflops=round(3.5 * flop_f / t_fb / 1e9, 1))
 
 
@@ -156,7 +159,8 @@ def main():
             print(f"{r['T']:>6} {r['G']:>3} {r['mode']:>5} ERROR {r['error'][:150]}")
         else:
             print(f"{r['T']:>6} {r['G']:>3} {r['mode']:>5} {r['fwd_ms']:>8.3f} {r['fwdbwd_ms']:>8.3f} "
-                  f"{r['fwd_tflops']:>6.1f} {r['fwdbwd_tflops']:>6.1f} {json.dumps(r['opts']) if r['opts'] else ''}")
+                  f"{r['fwd_tflops']:>6.1f} {r['fwdbwd_tflops']:>6.1f} Dk={r['Dk']} Dv={r['Dv']} "
+                  f"{json.dumps(r['opts']) if r['opts'] else ''}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # One device call on a GPU host without network (the H200 box): install the carried wheelhouse
 # (python scripts/wheelhouse.py --dest .whl), then run prefill, decode and parity into an MLflow store
 # under $OUT (default ./gpu_out). Each step has its own time limit; a step that fails is logged.
-#   bash scripts/h200_session.sh
+#   bash scripts/h200_session.sh            (SEQS=65536 STEPS="prefill parity" bash ... for a subset;
+#                                             PREFILL_ARGS="backend.win=triton,fa2" adds overrides/sweeps)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -12,10 +13,12 @@ TRK="tracking.uri=sqlite:///$PWD/$OUT/mlflow.db"
 [ "${OUT#/}" != "$OUT" ] && TRK="tracking.uri=sqlite:///$OUT/mlflow.db"
 SEQS=${SEQS:-8192,16384,32768,65536}
 run() { local t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" 2>&1 | grep -v "INFO mlflow" | tee -a "$OUT/log.txt" | tail -n 30; }
-run "${T_PREFILL:-170}" -m experiments.prefill -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
-    model.timing.warmup=2 model.timing.repeats=8
-run "${T_DECODE:-130}" -m experiments.decode -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
+STEPS=${STEPS:-prefill decode parity}  # any subset, e.g. STEPS=prefill
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+has prefill && run "${T_PREFILL:-170}" -m experiments.prefill -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
+    model.timing.warmup=2 model.timing.repeats=8 ${PREFILL_ARGS:-}
+has decode && run "${T_DECODE:-130}" -m experiments.decode -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.batch=64 model.timing.warmup=5 model.timing.repeats=50
-run "${T_PARITY:-100}" -m experiments.parity hardware=h200 model=h200bench backend=triton "$TRK" seq=8192 parity.batch=1
+has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware=h200 model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" outputs mlruns 2>/dev/null  # at most 8 files come back: one archive
 ls -la "$OUT"

@@ -42,7 +42,8 @@ def _poison(monkeypatch):
     monkeypatch.setitem(
         _cmp_ops.TUNE,
         "cpu",
-        dict(rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1),
+        dict(rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1,
+             bwd_programs=8, bwd_split_max=4),
     )
 
 
@@ -119,8 +120,12 @@ def test_compressed_fp32_forward_indices_and_grads(case):
         close(a, b, 1e-5)
 
 
+@pytest.mark.parametrize("score_lo", [True, False])
 @pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 3, 4)], ids=[CMP_IDS[i] for i in (0, 3, 4)])
-def test_compressed_fp16_forward(case):
+def test_compressed_fp16_forward(case, score_lo, monkeypatch):
+    """Half inputs take the tensor-core score path: p as fp16 (score_lo=False, the CUDA default) or
+    fp16 plus its fp16 remainder (score_lo=True)."""
+    monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
     cfg, qs, q, k, v = cmp_inputs(case, torch.float16, seed=3)
     o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
     ro, ridx = reference.compressed_branch(q.float(), k.float(), v.float(), cfg, q_start=qs)
@@ -164,29 +169,14 @@ def test_compressed_ties_go_to_lower_index(kind):
     assert (idx[0, many, :, 1] == 1).all()
 
 
-@pytest.mark.parametrize("nb,c,q_start", [(7, 30, 0), (40, 5, 150), (3, 4, 0)])
+@pytest.mark.parametrize("nb,c,q_start", [(7, 30, 0), (40, 5, 150), (3, 4, 0), (40, 160, 0), (40, 100, 37)])
 def test_topn_kernel_matches_select_blocks(nb, c, q_start):
+    """The top-n launch (position ranges bucketed by candidate count) on scores with many exact ties."""
     cfg = cfg_of(4, 2, 16, 16, l_sel=4, n_sel=5)
     g = torch.Generator().manual_seed(nb)
     scores = torch.randint(0, 4, (2, c, 2, nb), generator=g).float() / 4  # many exact ties
     out = torch.full((2, c, 2, cfg.n_sel), -7, dtype=torch.int64)
-    rows = 2 * c * 2
-    _cmp_ops._topn_kernel[(rows + 1) // 2,](
-        scores,
-        out,
-        rows,
-        c,
-        nb,
-        q_start,
-        H=2,
-        NBP=_cmp_ops._p2(nb),
-        N_SEL=cfg.n_sel,
-        NSP=_cmp_ops._p2(cfg.n_sel),
-        N_INIT=cfg.n_init,
-        N_LOCAL=cfg.n_local,
-        L_SEL=cfg.l_sel,
-        RB=2,
-    )
+    _cmp_ops.topn_launch(scores, out, q_start, nb, cfg)
     ref = reference.select_blocks(scores, cfg, q_start=q_start)
     assert torch.equal(out, ref)
     assert torch.equal(_cmp_ops.topn_blocks(scores, cfg, q_start), ref)
@@ -222,6 +212,7 @@ WIN_CASES = [
     (1, 3, 45, None, 8, 2, 16, 16, 16),  # G=4, decode-like
     (1, 2, 30, 40, 4, 1, 24, 16, 5),  # S > q_start + Tq, Dk=24, w not a multiple of tiles
     (1, 33, 0, None, 6, 2, 16, 16, 1),  # G=3, w=1: each query sees itself
+    (1, 80, 0, None, 2, 1, 16, 16, 40),  # G=2, w=40: tiles wholly inside the window skip the mask
 ]
 WIN_IDS = [f"B{c[0]}-T{c[1]}-qs{c[2]}-S{c[3]}-HQ{c[4]}-H{c[5]}-Dk{c[6]}-Dv{c[7]}-w{c[8]}" for c in WIN_CASES]
 

@@ -3,7 +3,7 @@
 Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (see ``nsa.env``), which is
 how CI tests every kernel at small shapes. Each operator keeps the reference's signature
 (``nsa.reference``): ``compressed`` (compressed attention + Eq. 9-12 top-n), ``selected``,
-``window``.
+``window``, and the fused gated sum ``combine``.
 """
 from __future__ import annotations
 
@@ -53,6 +53,10 @@ class TritonBackend(Backend):
     def window(self, q, k_win, v_win, config, *, scale, q_start):
         from .window import sliding_window_attention
         return sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+
+    def combine(self, o_cmp, o_sel, o_win, gates):
+        from .gate import gated_sum
+        return gated_sum(o_cmp, o_sel, o_win, gates)
 
 
 BACKEND = TritonBackend()

@@ -30,6 +30,90 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_rows(base, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP: tl.constexpr, MASKED: tl.constexpr):
+    """Rows n of a [*, D] key/value stream (columns padded to BD)."""
+    ptr = base + n[:, None].to(tl.int64) * s_n + d[None, :]
+    if MASKED:
+        return tl.load(ptr, mask=((nn < NSTEP) & (n < N))[:, None] & (d[None, :] < D), other=0.0)
+    elif BD == D:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
+              NSTEP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
+              MASKED: tl.constexpr):
+    """Pass 1 on keys n0..n0+NSTEP: online max and sum of exp2 (base-2 log-sum-exp of Eq. 8)."""
+    n = n0 + nn
+    k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+    return m_new, l_i
+
+
+@triton.jit
+def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, sc_row, sc_row_ok, cc, nb,
+                scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr, STRIDE: tl.constexpr,
+                OFFSET: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
+                BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr, SCORE_DOT: tl.constexpr,
+                SCORE_LO: tl.constexpr, MASKED: tl.constexpr):
+    """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v, and the Eq. 9/10 block
+    scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile)."""
+    n = n0 + nn
+    k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
+    v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
+        p = tl.where(vis, p, 0.0)
+    acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    # Eq. 9 weights of tokens n0+ii onto blocks j0+cc (main) and j0+BJ+cc (spill)
+    j0 = (n0 // NSTEP) * BJ
+    i_lo = n * D_CMP
+    i_ok = nn < NSTEP
+    if SCORE_DOT:
+        # Tensor-core path (half inputs): p*2^14 as fp16 (plus, with SCORE_LO, its fp16 remainder), W
+        # interleaved [main c, spill c] in 2*BJP columns (small integers, exact in fp16), Eq. 10 group
+        # sum on the [R, 2*BJP] product.
+        c2 = tl.arange(0, 2 * BJP)
+        jl = (j0 + c2 // 2 + (c2 % 2) * BJ) * L_SEL
+        w2 = tl.minimum(i_lo[:, None] + L_CMP, jl[None, :] + L_SEL) - tl.maximum(i_lo[:, None], jl[None, :])
+        w2 = tl.where(i_ok[:, None], tl.maximum(w2, 0) // D_CMP, 0).to(tl.float16)
+        ps = p * 16384.0
+        p_hi = ps.to(tl.float16)
+        cw = tl.dot(p_hi, w2)
+        if SCORE_LO:
+            p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
+            cw += tl.dot(p_lo, w2)
+        cw = tl.sum(tl.reshape(cw, [BLOCK_M, GP, 2 * BJP]), 1) * (1.0 / 16384.0)
+        main, spill = tl.split(tl.reshape(cw, [BLOCK_M, BJP, 2]))
+        blk = main + carry
+        carry = spill
+    else:
+        pg = tl.sum(tl.reshape(p, [BLOCK_M, GP, BLOCK_N]), 1)  # Eq. 10: sum over the group
+        j_lo = (j0 + cc) * L_SEL
+        w_main = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
+        w_main = tl.where(i_ok[:, None], tl.maximum(w_main, 0) // D_CMP, 0).to(tl.float32)
+        j_lo2 = j_lo + BJ * L_SEL
+        w_sp = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo2[None, :])
+        w_sp = tl.where(i_ok[:, None], tl.maximum(w_sp, 0) // D_CMP, 0).to(tl.float32)
+        blk = tl.sum(pg[:, :, None] * w_main[None, :, :], 1) + carry
+        carry = tl.sum(pg[:, :, None] * w_sp[None, :, :], 1)
+    j = j0 + cc
+    tl.store(sc_row + j[None, :], blk, mask=sc_row_ok[:, None] & (cc < BJ)[None, :] & (j < nb)[None, :])
+    return acc, carry
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -81,6 +165,7 @@ def _fwd_kernel(
     BJP: tl.constexpr,
     PREC: tl.constexpr,
     SCORE_DOT: tl.constexpr,
+    SCORE_LO: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_M * GP
     pid_m = tl.program_id(0)
@@ -120,87 +205,38 @@ def _fwd_kernel(
     l_i = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, BDV], tl.float32)
     if SCORES:
-        # pass 1: the row log-sum-exp over the visible compressed keys
-        for n0 in range(lo, hi, NSTEP):
-            n = n0 + nn
-            n_ok = (nn < NSTEP) & (n < N)
-            k = tl.load(
-                kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-                mask=n_ok[:, None] & (dk[None, :] < DK),
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            vis = row_ok[:, None] & n_ok[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-            m_i = m_new
+        # Tiles [0, n_full) are visible to every valid row of this program (e(i) <= tmin, i < N): they
+        # skip the causal mask. Padding rows (m >= m_end or g >= G) then carry garbage through pass 1,
+        # so their lse is set to +inf below and their p is exactly 0 in pass 2.
+        n_full = tl.minimum(tl.maximum(tmin - OFFSET + STRIDE, 0) // STRIDE, N)
+        n_full = (n_full // NSTEP) * NSTEP
+        if NSTEP != BLOCK_N:
+            n_full = 0  # tiles with padding columns always take the masked path
+        # pass 1: the row log-sum-exp over the visible compressed keys (Eq. 8's normalizer)
+        for n0 in range(0, n_full, NSTEP):
+            m_i, l_i = _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                                 DK, BDK, NSTEP, STRIDE, OFFSET, PREC, False)
+        for n0 in range(n_full, hi, NSTEP):
+            m_i, l_i = _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                                 DK, BDK, NSTEP, STRIDE, OFFSET, PREC, True)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+        lse = tl.where(row_ok, lse, float("inf"))
         # pass 2: normalized probabilities -> output and Eq. 9/10 block scores
-        ii = tl.arange(0, BLOCK_N)
         cc = tl.arange(0, BJP)
         mm = tl.arange(0, BLOCK_M)
         sc_row = SC + b * ssc_b + (m0 + mm - m_begin)[:, None].to(tl.int64) * ssc_t + h * ssc_h
         sc_row_ok = (m0 + mm) < m_end
         carry = tl.zeros([BLOCK_M, BJP], tl.float32)
-        for n0 in range(lo, hi, NSTEP):
-            n = n0 + nn
-            n_ok = (nn < NSTEP) & (n < N)
-            k = tl.load(
-                kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-                mask=n_ok[:, None] & (dk[None, :] < DK),
-                other=0.0,
-            )
-            v = tl.load(
-                vb + n[:, None].to(tl.int64) * sv_n + dv[None, :],
-                mask=n_ok[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            vis = row_ok[:, None] & n_ok[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
-            p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            # Eq. 9 weights of tokens n0+ii onto blocks j0+cc (main) and j0+BJ+cc (spill)
-            j0 = (n0 // NSTEP) * BJ
-            i_lo = (n0 + ii) * D_CMP
-            i_ok = ii < NSTEP
-            if SCORE_DOT:
-                # Tensor-core path (half inputs): p*2^14 split into two fp16 parts, W interleaved
-                # [main c, spill c] in 2*BJP columns (small integers, exact in fp16), Eq. 10 group
-                # sum on the [R, 2*BJP] product.
-                c2 = tl.arange(0, 2 * BJP)
-                jl = (j0 + c2 // 2 + (c2 % 2) * BJ) * L_SEL
-                w2 = tl.minimum(i_lo[:, None] + L_CMP, jl[None, :] + L_SEL) - tl.maximum(
-                    i_lo[:, None], jl[None, :]
-                )
-                w2 = tl.where(i_ok[:, None], tl.maximum(w2, 0) // D_CMP, 0).to(tl.float16)
-                ps = p * 16384.0
-                p_hi = ps.to(tl.float16)
-                p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
-                cw = tl.dot(p_hi, w2) + tl.dot(p_lo, w2)
-                cw = tl.sum(tl.reshape(cw, [BLOCK_M, GP, 2 * BJP]), 1) * (1.0 / 16384.0)
-                main, spill = tl.split(tl.reshape(cw, [BLOCK_M, BJP, 2]))
-                blk = main + carry
-                carry = spill
-            else:
-                pg = tl.sum(tl.reshape(p, [BLOCK_M, GP, BLOCK_N]), 1)  # Eq. 10: sum over the group
-                j_lo = (j0 + cc) * L_SEL
-                w_main = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(
-                    i_lo[:, None], j_lo[None, :]
-                )
-                w_main = tl.where(i_ok[:, None], tl.maximum(w_main, 0) // D_CMP, 0).to(tl.float32)
-                j_lo2 = j_lo + BJ * L_SEL
-                w_sp = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(
-                    i_lo[:, None], j_lo2[None, :]
-                )
-                w_sp = tl.where(i_ok[:, None], tl.maximum(w_sp, 0) // D_CMP, 0).to(tl.float32)
-                blk = tl.sum(pg[:, :, None] * w_main[None, :, :], 1) + carry
-                carry = tl.sum(pg[:, :, None] * w_sp[None, :, :], 1)
-            j = j0 + cc
-            tl.store(
-                sc_row + j[None, :], blk, mask=sc_row_ok[:, None] & (cc < BJ)[None, :] & (j < nb)[None, :]
-            )
+        for n0 in range(0, n_full, NSTEP):
+            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+                                     sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, D_CMP, L_CMP, L_SEL, BJ, BJP, PREC, SCORE_DOT,
+                                     SCORE_LO, False)
+        for n0 in range(n_full, hi, NSTEP):
+            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+                                     sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, D_CMP, L_CMP, L_SEL, BJ, BJP, PREC, SCORE_DOT,
+                                     SCORE_LO, True)
         j_end = tl.cdiv(hi, NSTEP) * BJ
         j = j_end + cc
         tl.store(sc_row + j[None, :], carry, mask=sc_row_ok[:, None] & (j < nb)[None, :])
@@ -241,6 +277,27 @@ def _fwd_kernel(
     )
     # LSE layout: [B, HQ, Tq] float32, base 2
     tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2, DK: tl.constexpr,
+             DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
+             OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """dq += dS k over keys n0..n0+BLOCK_N (rows of invalid queries have lse = +inf, so p = 0)."""
+    n = n0 + nn
+    k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, MASKED)
+    v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        e = n * STRIDE + OFFSET
+        vis = (n < N)[None, :] & (e[None, :] <= t[:, None])
+        if WINDOW > 0:
+            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
 
 @triton.jit
@@ -318,43 +375,74 @@ def _bwd_dq_kernel(
     tmax = q_start + tl.minimum(m0 + BLOCK_M, Tq) - 1
     hi = tl.maximum(tmax - OFFSET + STRIDE, 0) // STRIDE  # keys with e(i) <= tmax
     hi = tl.minimum(hi, N)
+    # key tiles [f_lo, f_hi) are visible to every row of the tile: no mask there
+    f_hi = tl.minimum(tl.maximum(tmin - OFFSET + STRIDE, 0) // STRIDE, N)  # keys with e(i) <= tmin
+    f_hi = (f_hi // BLOCK_N) * BLOCK_N
     if WINDOW > 0:
         lo = tl.maximum(tmin - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+        f_lo = tl.cdiv(tl.maximum(tmax - WINDOW + 1, 0), BLOCK_N) * BLOCK_N  # STRIDE 1, OFFSET 0
     else:
         lo = 0
+        f_lo = 0
+    f_lo = tl.minimum(tl.maximum(f_lo, lo), hi)
+    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), hi)
     kb = K + b * sk_b + h * sk_h
     vb = V + b * sv_b + h * sv_h
     nn = tl.arange(0, BLOCK_N)
     dq = tl.zeros([R, BDK], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + nn
-        n_ok = n < N
-        k = tl.load(
-            kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-            mask=n_ok[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        v = tl.load(
-            vb + n[:, None].to(tl.int64) * sv_n + dv[None, :],
-            mask=n_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        e = n * STRIDE + OFFSET
-        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    for n0 in range(lo, f_lo, BLOCK_N):
+        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
+                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, True)
+    for n0 in range(f_lo, f_hi, BLOCK_N):
+        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
+                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, False)
+    for n0 in range(f_hi, hi, BLOCK_N):
+        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
+                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, True)
     dq = dq * scale
     tl.store(
         DQ + b * sdq_b + m[:, None].to(tl.int64) * sdq_t + head[:, None] * sdq_h + dk[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (dk[None, :] < DK),
     )
+
+
+@triton.jit
+def _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start, sq_b, sq_t, sq_h,
+               sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """dk/dv of one key tile from the query rows of tile m0, in the transposed orientation
+    (s^T = k q^T, [keys, rows]), so p^T and dS^T feed the next products without a transpose.
+    Invalid query rows load lse = +inf, so their p is 0 without a mask."""
+    m = m0 + r // GP
+    row_ok = (m < Tq) & (g < G)
+    q = tl.load(
+        Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
+        mask=row_ok[:, None] & (dk[None, :] < DK),
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
+        mask=row_ok[:, None] & (dv[None, :] < DV),
+        other=0.0,
+    )
+    row = (b * HQ + head).to(tl.int64) * Tq + m
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
+    pt = tl.exp2(st - lse[None, :])
+    if MASKED:
+        t = q_start + m
+        vis = (n < N)[:, None] & (e[:, None] <= t[None, :])
+        if WINDOW > 0:
+            vis = vis & (e[:, None] > t[None, :] - WINDOW)
+        pt = tl.where(vis, pt, 0.0)
+    dv_acc += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk_acc += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
+    return dk_acc, dv_acc
 
 
 @triton.jit
@@ -385,6 +473,8 @@ def _bwd_dkdv_kernel(
     sdv_b,
     sdv_n,
     sdv_h,
+    sdk_s,
+    sdv_s,
     N,
     Tq,
     q_start,
@@ -408,6 +498,8 @@ def _bwd_dkdv_kernel(
     R: tl.constexpr = BLOCK_M * GP
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)  # query split: this program sums the query tiles of one share
+    n_split = tl.num_programs(2)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     n0 = pid_n * BLOCK_N
@@ -430,43 +522,49 @@ def _bwd_dkdv_kernel(
     # query rows m that see some key of this tile: t >= e(n0) (and t < e(last) + WINDOW)
     m_lo = tl.maximum(n0 * STRIDE + OFFSET - q_start, 0)
     m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    e0 = n0 * STRIDE + OFFSET
+    e_last = (n0 + BLOCK_N - 1) * STRIDE + OFFSET
     if WINDOW > 0:
         last = tl.minimum(n0 + BLOCK_N, N) - 1
         m_hi = tl.minimum(last * STRIDE + OFFSET + WINDOW - q_start, Tq)
     else:
         m_hi = Tq
+    # split [m_lo, m_hi) into n_split shares of whole query tiles; share pid_s writes its own
+    # float32 partial dk/dv slice (sdk_s / sdv_s apart), summed by the launcher
+    per = tl.cdiv(tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M), n_split) * BLOCK_M
+    m_lo = m_lo + pid_s * per
+    m_hi = tl.minimum(m_hi, m_lo + per)
+    # query tiles [f_lo, f_hi) see every key of this (whole) key tile: no mask there
+    f_lo = m_lo + tl.cdiv(tl.maximum(e_last - q_start - m_lo, 0), BLOCK_M) * BLOCK_M
+    if WINDOW > 0:
+        x = e0 + WINDOW - q_start - BLOCK_M - m_lo  # tile m0 ends before e0 + WINDOW iff m0 - m_lo <= x
+        f_hi = tl.where(x >= 0, m_lo + (tl.maximum(x, 0) // BLOCK_M + 1) * BLOCK_M, m_lo)
+    else:
+        f_hi = m_hi
+    if n0 + BLOCK_N > N:
+        f_lo = m_hi
+    f_lo = tl.minimum(tl.maximum(f_lo, m_lo), m_hi)
+    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), m_hi)
     r = tl.arange(0, R)
     g = r % GP
     head = h * G + g
     dk_acc = tl.zeros([BLOCK_N, BDK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BDV], tl.float32)
-    for m0 in range(m_lo, m_hi, BLOCK_M):
-        m = m0 + r // GP
-        row_ok = (m < Tq) & (g < G)
-        t = q_start + m
-        q = tl.load(
-            Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
-            mask=row_ok[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        do = tl.load(
-            DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
-            mask=row_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
-        row = (b * HQ + head).to(tl.int64) * Tq + m
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    for m0 in range(m_lo, f_lo, BLOCK_M):
+        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
+                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
+                                    WINDOW, PREC, True)
+    for m0 in range(f_lo, f_hi, BLOCK_M):
+        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
+                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
+                                    WINDOW, PREC, False)
+    for m0 in range(f_hi, m_hi, BLOCK_M):
+        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
+                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
+                                    WINDOW, PREC, True)
     dk_acc = dk_acc * scale
+    DK_ += pid_s.to(tl.int64) * sdk_s
+    DV_ += pid_s.to(tl.int64) * sdv_s
     tl.store(
         DK_ + b * sdk_b + h * sdk_h + n[:, None].to(tl.int64) * sdk_n + dk[None, :],
         dk_acc.to(DK_.dtype.element_ty),
@@ -484,9 +582,10 @@ def _topn_kernel(
     SC,
     IDX,
     n_rows,
-    c_len,
+    ssc_b,
+    sidx_b,
     nb,
-    q_start,
+    t0,
     H: tl.constexpr,
     NBP: tl.constexpr,
     N_SEL: tl.constexpr,
@@ -496,19 +595,24 @@ def _topn_kernel(
     L_SEL: tl.constexpr,
     RB: tl.constexpr,
 ):
-    """Eqs. 11-12 with forcing, rows of a contiguous [B, c, H, nb] float32 score buffer ->
-    [B, c, H, n_sel] ascending indices, -1 padded. Each candidate gets the int64 key
-    (float bits of its nonnegative score << 32) | (2^31 - 1 - j): distinct keys ordered by score with
-    ties to the lower index (forced blocks: the bits of +inf; non-candidates: -1). N_SEL rounds of
-    row max pick the winners; a prefix sum writes them in ascending order."""
+    """Eqs. 11-12 with forcing. Batch b = program_id(1); its rows r = (position, head) of a
+    [rows, nb] float32 score slice (``ssc_b`` elements apart per batch) -> [rows, N_SEL] ascending
+    indices, -1 padded (``sidx_b`` apart); row r sits at position t0 + r // H. Only columns < NBP are
+    read: the launcher picks NBP >= the candidate count (t // L_SEL + 1) of every row. Each candidate
+    gets the int64 key (float bits of its nonnegative score << 32) | (2^31 - 1 - j): distinct keys
+    ordered by score with ties to the lower index (forced blocks: the bits of +inf; non-candidates:
+    -1). N_SEL rounds of row max pick the winners, written in ascending order by their ranks."""
     pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     r = pid * RB + tl.arange(0, RB)
     r_ok = r < n_rows
-    t = q_start + (r // H) % c_len
+    t = t0 + r // H
     last = t // L_SEL
     j = tl.arange(0, NBP)
     s = tl.load(
-        SC + r[:, None].to(tl.int64) * nb + j[None, :], mask=r_ok[:, None] & (j < nb)[None, :], other=0.0
+        SC + b * ssc_b + r[:, None].to(tl.int64) * nb + j[None, :],
+        mask=r_ok[:, None] & (j < nb)[None, :],
+        other=0.0,
     )
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
     cand = (j[None, :] <= last[:, None]) & (j < nb)[None, :]
@@ -516,21 +620,16 @@ def _topn_kernel(
     bits = tl.where(forced, 0x7F800000, bits)
     key = (bits << 32) | (2147483647 - j).to(tl.int64)[None, :]
     key = tl.where(cand, key, -1)
-    sel = tl.zeros([RB, NBP], tl.int32)
-    for _ in tl.static_range(N_SEL):
-        mx = tl.max(key, 1)
-        hit = (key == mx[:, None]) & (mx[:, None] >= 0)
-        sel = tl.where(hit, 1, sel)
-        key = tl.where(hit, -1, key)
-    pos = tl.cumsum(sel, 1) - 1
-    cnt = tl.sum(sel, 1)
-    out = IDX + r[:, None].to(tl.int64) * N_SEL
-    tl.store(
-        out + pos, (j[None, :] + tl.zeros([RB, NBP], tl.int32)).to(tl.int64), mask=(sel > 0) & r_ok[:, None]
-    )
+    # N_SEL rounds: the row max is the next winner (keys are distinct); its index is in the low bits
     kk = tl.arange(0, NSP)
-    tl.store(
-        out + kk[None, :],
-        tl.full([RB, NSP], -1, tl.int64),
-        mask=(kk[None, :] >= cnt[:, None]) & (kk < N_SEL)[None, :] & r_ok[:, None],
-    )
+    big = 1 << 40
+    win = big + kk[None, :].to(tl.int64) + tl.zeros([RB, NSP], tl.int64)  # distinct "no winner" values
+    for i in tl.static_range(N_SEL):
+        mx = tl.max(key, 1)
+        key = tl.where(key == mx[:, None], -1, key)
+        jw = tl.where(mx >= 0, 2147483647 - (mx & 0xFFFFFFFF), big + i)
+        win = tl.where(kk[None, :] == i, jw[:, None], win)
+    # ascending order: each value's rank among the row's NSP distinct values; "no winner" ranks last
+    rank = tl.sum((win[:, None, :] < win[:, :, None]).to(tl.int32), 2)
+    out = IDX + b * sidx_b + r[:, None].to(tl.int64) * N_SEL
+    tl.store(out + rank, tl.where(win >= big, -1, win), mask=(rank < N_SEL) & r_ok[:, None])

@@ -21,12 +21,21 @@ LOG2E = 1.4426950408889634
 # cuda: measured on one H200 (scripts/bench_cmp_win.py, 2026-11-21): 64 rows / 4 warps beat 128 / 8.
 TUNE = {
     "cuda": dict(
-        rows=64, block_n=64, warps=4, stages=2, bwd_rows=64, bwd_block_n=64, bwd_warps=4, bwd_stages=2
+        rows=64, block_n=64, warps=4, stages=2, score_lo=False,
+        bwd_rows=128, bwd_block_n=64, bwd_warps=8, bwd_stages=2, bwd_programs=1024, bwd_split_max=16,
     ),
     "cpu": dict(
-        rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1
+        rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1,
+        bwd_programs=8, bwd_split_max=4,
     ),
 }
+# score_lo: half inputs map p_cmp onto block scores (Eq. 9) with a tensor-core product of p as fp16
+# (relative rounding <= 2^-12 per term; the output's p @ v product rounds p to 8 bits in bf16); True
+# adds a second product with the fp16 remainder (~2^-23). Measured on the H200 at 64k (2026-11-21):
+# 23.2 ms without, 24.6 ms with the remainder.
+# bwd_programs: the dk/dv kernel splits each key tile's query range into up to bwd_split_max shares
+# (float32 partials, summed after) until about this many programs run: at 64k the compressed branch
+# has only Tc/64 x H = 256 key tiles, too few to fill the GPU's SMs on their own.
 # Bytes the [B, chunk, H, nb] float32 block-score buffer of the compressed forward may take.
 SCORE_BUFFER_BYTES = 1 << 28
 # Fill outputs with NaN before the kernels write them (tests set it: an unwritten element then fails).
@@ -84,11 +93,12 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             BJ=bj,
             BJP=max(8, _p2(bj)) if score_dot else _p2(bj),
             SCORE_DOT=score_dot,
+            SCORE_LO=tune.get("score_lo", True),
         )
     else:
         nstep = tune["block_n"]
         chunk = max(Tq, 1)
-        kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False)
+        kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False)
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
         if scores:
@@ -139,27 +149,49 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
         )
         if scores:
             out = idx if (c0 == 0 and c1 == Tq) else _out((B, c1 - c0, H, config.n_sel), q, torch.int64)
-            rows, rb = B * (c1 - c0) * H, 2
-            _topn_kernel[(triton.cdiv(rows, rb),)](
-                sc,
-                out,
-                rows,
-                c1 - c0,
-                nb,
-                q_start + c0,
-                H=H,
-                NBP=_p2(nb),
-                N_SEL=config.n_sel,
-                NSP=_p2(config.n_sel),
-                N_INIT=config.n_init,
-                N_LOCAL=config.n_local,
-                L_SEL=config.l_sel,
-                RB=rb,
-                num_warps=4,
-            )
+            topn_launch(sc, out, q_start + c0, nb, config)
             if out is not idx:
                 idx[:, c0:c1] = out
     return o, lse, (idx if scores else None)
+
+
+# Score elements per top-n program (rows x NBP columns): rows with few candidates share a program.
+TOPN_ELEMS = 2048
+
+
+def topn_launch(sc, out, t0, nb, config):
+    """Top-n (``_topn_kernel``) of a ``[B, c, H, nb]`` float32 score buffer whose position p sits at
+    t0 + p, into ``out [B, c, H, n_sel]``. Positions are cut into ranges whose candidate count
+    (t // l_sel + 1) fits the same power of two, and each range reads only that many columns: at 64k,
+    about 2/3 of the score columns are never read (non-candidates of early rows)."""
+    B, c, H = sc.shape[:3]
+    p0 = 0
+    while p0 < c:
+        width = _p2(min(nb, (t0 + p0) // config.l_sel + 1))
+        # last position whose candidate count still fits ``width`` (or the end)
+        p1 = c if width >= _p2(nb) else min(c, width * config.l_sel - t0)
+        # rows per program: ~TOPN_ELEMS score elements, and the [rows, NSP, NSP] rank comparison small
+        rb = max(1, min(TOPN_ELEMS // width, 4096 // _p2(config.n_sel) ** 2))
+        rows = (p1 - p0) * H
+        _topn_kernel[(triton.cdiv(rows, rb), B)](
+            sc[:, p0:],
+            out[:, p0:],
+            rows,
+            sc.stride(0),
+            out.stride(0),
+            nb,
+            t0 + p0,
+            H=H,
+            NBP=width,
+            N_SEL=config.n_sel,
+            NSP=_p2(config.n_sel),
+            N_INIT=config.n_init,
+            N_LOCAL=config.n_local,
+            L_SEL=config.l_sel,
+            RB=rb,
+            num_warps=4,
+        )
+        p0 = p1
 
 
 def topn_blocks(scores, config, q_start):
@@ -238,21 +270,31 @@ def _attn_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, windo
             **common,
         )
     if N > 0:
-        _bwd_dkdv_kernel[(triton.cdiv(N, tune["bwd_block_n"]), B * H)](
+        n_kt = triton.cdiv(N, tune["bwd_block_n"])
+        n_split = max(1, min(tune["bwd_split_max"], -(-tune["bwd_programs"] // (n_kt * B * H)),
+                             triton.cdiv(Tq, geo["BLOCK_M"])))
+        if n_split > 1:
+            dkw = _out((n_split, *k.shape), k, torch.float32)
+            dvw = _out((n_split, *v.shape), v, torch.float32)
+        else:
+            dkw, dvw = dk[None], dv[None]
+        _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
             q,
             k,
             v,
             do,
             lse,
             delta,
-            dk,
-            dv,
+            dkw,
+            dvw,
             *q.stride()[:3],
             *k.stride()[:3],
             *v.stride()[:3],
             *do.stride()[:3],
-            *dk.stride()[:3],
-            *dv.stride()[:3],
+            *dkw.stride()[1:4],
+            *dvw.stride()[1:4],
+            dkw.stride(0),
+            dvw.stride(0),
             N,
             Tq,
             q_start,
@@ -260,6 +302,8 @@ def _attn_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, windo
             scale,
             **common,
         )
+        if n_split > 1:
+            dk, dv = dkw.sum(0).to(k.dtype), dvw.sum(0).to(v.dtype)
     return dq, dk, dv
 
 

@@ -1,0 +1,99 @@
+"""Triton gated sum of the three branch outputs (paper Eq. 5, spec step 7), forward and backward.
+
+    o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win          (per query head; gates [.., 3])
+    d o_c = g_c * do,   d g_c = sum_d do * o_c                  (backward)
+
+One pass over rows (query, head) in float32, so the three 1 GB products at 64k are never written
+separately (the plain PyTorch expression reads and writes about 12 bytes per output byte; this
+kernel reads 3 and writes 1 forward, reads 4 and writes 3 backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _interp  # noqa: F401  (interpreter shim, applied on import)
+
+BLOCK_R = 16
+
+
+@triton.jit
+def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BD)
+    ok = r < n_rows
+    mask = ok[:, None] & (d[None, :] < D)
+    off = r[:, None] * D + d[None, :]
+    g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
+    g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
+    g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
+    o = g0[:, None] * tl.load(OC + off, mask=mask, other=0.0).to(tl.float32)
+    o += g1[:, None] * tl.load(OS + off, mask=mask, other=0.0).to(tl.float32)
+    o += g2[:, None] * tl.load(OW + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + off, o.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_bwd_one(SRC, DST, GT, DG, do, r, ok, off, mask, c: tl.constexpr):
+    g = tl.load(GT + r * 3 + c, mask=ok, other=0.0).to(tl.float32)
+    oc = tl.load(SRC + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DST + off, (g[:, None] * do).to(DST.dtype.element_ty), mask=mask)
+    tl.store(DG + r * 3 + c, tl.sum(do * oc, 1).to(DG.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.constexpr, BD: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BD)
+    ok = r < n_rows
+    mask = ok[:, None] & (d[None, :] < D)
+    off = r[:, None] * D + d[None, :]
+    do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
+    _gate_bwd_one(OC, DOC, GT, DG, do, r, ok, off, mask, 0)
+    _gate_bwd_one(OS, DOS, GT, DG, do, r, ok, off, mask, 1)
+    _gate_bwd_one(OW, DOW, GT, DG, do, r, ok, off, mask, 2)
+
+
+def _out(shape, like, dtype=None):
+    from . import _cmp_ops
+
+    return _cmp_ops._out(shape, like, dtype)
+
+
+class GatedSum(torch.autograd.Function):
+    """``o [B,Tq,HQ,Dv] = sum_c gates[..., c, None] * o_c`` over (o_cmp, o_sel, o_win)."""
+
+    @staticmethod
+    def forward(ctx, o_cmp, o_sel, o_win, gates):
+        xs = [x.contiguous() for x in (o_cmp, o_sel, o_win)]
+        gates = gates.contiguous()
+        D = xs[0].shape[-1]
+        n_rows = xs[0].numel() // max(D, 1)
+        o = _out(xs[0].shape, xs[0])
+        if n_rows:
+            _gate_fwd_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+                *xs, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+        ctx.save_for_backward(*xs, gates)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        oc, os_, ow, gates = ctx.saved_tensors
+        do = do.contiguous()
+        D = oc.shape[-1]
+        n_rows = oc.numel() // max(D, 1)
+        d_o = [_out(x.shape, x) for x in (oc, os_, ow)]
+        dg = _out(gates.shape, gates)
+        if n_rows:
+            _gate_bwd_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+                oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R,
+                num_warps=4)
+        return (*d_o, dg)
+
+
+def gated_sum(o_cmp, o_sel, o_win, gates):
+    """Eq. 5 with the gates: see ``GatedSum``."""
+    return GatedSum.apply(o_cmp, o_sel, o_win, gates)
