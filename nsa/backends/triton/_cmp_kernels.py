@@ -280,27 +280,6 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2, DK: tl.constexpr,
-             DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-             OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
-    """dq += dS k over keys n0..n0+BLOCK_N (rows of invalid queries have lse = +inf, so p = 0)."""
-    n = n0 + nn
-    k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, MASKED)
-    v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, MASKED)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-    p = tl.exp2(s - lse[:, None])
-    if MASKED:
-        e = n * STRIDE + OFFSET
-        vis = (n < N)[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
-        p = tl.where(vis, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-
-
-@triton.jit
 def _bwd_dq_kernel(
     Q,
     K,
@@ -375,74 +354,43 @@ def _bwd_dq_kernel(
     tmax = q_start + tl.minimum(m0 + BLOCK_M, Tq) - 1
     hi = tl.maximum(tmax - OFFSET + STRIDE, 0) // STRIDE  # keys with e(i) <= tmax
     hi = tl.minimum(hi, N)
-    # key tiles [f_lo, f_hi) are visible to every row of the tile: no mask there
-    f_hi = tl.minimum(tl.maximum(tmin - OFFSET + STRIDE, 0) // STRIDE, N)  # keys with e(i) <= tmin
-    f_hi = (f_hi // BLOCK_N) * BLOCK_N
     if WINDOW > 0:
         lo = tl.maximum(tmin - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-        f_lo = tl.cdiv(tl.maximum(tmax - WINDOW + 1, 0), BLOCK_N) * BLOCK_N  # STRIDE 1, OFFSET 0
     else:
         lo = 0
-        f_lo = 0
-    f_lo = tl.minimum(tl.maximum(f_lo, lo), hi)
-    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), hi)
     kb = K + b * sk_b + h * sk_h
     vb = V + b * sv_b + h * sv_h
     nn = tl.arange(0, BLOCK_N)
     dq = tl.zeros([R, BDK], tl.float32)
-    for n0 in range(lo, f_lo, BLOCK_N):
-        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
-                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, True)
-    for n0 in range(f_lo, f_hi, BLOCK_N):
-        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
-                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, False)
-    for n0 in range(f_hi, hi, BLOCK_N):
-        dq = _dq_tile(q, do, lse, delta, dq, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, scale_log2,
-                      DK, DV, BDK, BDV, BLOCK_N, STRIDE, OFFSET, WINDOW, PREC, True)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + nn
+        n_ok = n < N
+        k = tl.load(
+            kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
+            mask=n_ok[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        v = tl.load(
+            vb + n[:, None].to(tl.int64) * sv_n + dv[None, :],
+            mask=n_ok[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        e = n * STRIDE + OFFSET
+        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
+        if WINDOW > 0:
+            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     dq = dq * scale
     tl.store(
         DQ + b * sdq_b + m[:, None].to(tl.int64) * sdq_t + head[:, None] * sdq_h + dk[None, :],
         dq.to(DQ.dtype.element_ty),
         mask=row_ok[:, None] & (dk[None, :] < DK),
     )
-
-
-@triton.jit
-def _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start, sq_b, sq_t, sq_h,
-               sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-               DK: tl.constexpr, DV: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
-    """dk/dv of one key tile from the query rows of tile m0, in the transposed orientation
-    (s^T = k q^T, [keys, rows]), so p^T and dS^T feed the next products without a transpose.
-    Invalid query rows load lse = +inf, so their p is 0 without a mask."""
-    m = m0 + r // GP
-    row_ok = (m < Tq) & (g < G)
-    q = tl.load(
-        Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
-        mask=row_ok[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
-        mask=row_ok[:, None] & (dv[None, :] < DV),
-        other=0.0,
-    )
-    row = (b * HQ + head).to(tl.int64) * Tq + m
-    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
-    st = tl.dot(k, tl.trans(q), input_precision=PREC) * scale_log2
-    pt = tl.exp2(st - lse[None, :])
-    if MASKED:
-        t = q_start + m
-        vis = (n < N)[:, None] & (e[:, None] <= t[None, :])
-        if WINDOW > 0:
-            vis = vis & (e[:, None] > t[None, :] - WINDOW)
-        pt = tl.where(vis, pt, 0.0)
-    dv_acc += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
-    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-    dst = pt * (dpt - delta[None, :])
-    dk_acc += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
-    return dk_acc, dv_acc
 
 
 @triton.jit
@@ -522,8 +470,6 @@ def _bwd_dkdv_kernel(
     # query rows m that see some key of this tile: t >= e(n0) (and t < e(last) + WINDOW)
     m_lo = tl.maximum(n0 * STRIDE + OFFSET - q_start, 0)
     m_lo = (m_lo // BLOCK_M) * BLOCK_M
-    e0 = n0 * STRIDE + OFFSET
-    e_last = (n0 + BLOCK_N - 1) * STRIDE + OFFSET
     if WINDOW > 0:
         last = tl.minimum(n0 + BLOCK_N, N) - 1
         m_hi = tl.minimum(last * STRIDE + OFFSET + WINDOW - q_start, Tq)
@@ -534,34 +480,37 @@ def _bwd_dkdv_kernel(
     per = tl.cdiv(tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M), n_split) * BLOCK_M
     m_lo = m_lo + pid_s * per
     m_hi = tl.minimum(m_hi, m_lo + per)
-    # query tiles [f_lo, f_hi) see every key of this (whole) key tile: no mask there
-    f_lo = m_lo + tl.cdiv(tl.maximum(e_last - q_start - m_lo, 0), BLOCK_M) * BLOCK_M
-    if WINDOW > 0:
-        x = e0 + WINDOW - q_start - BLOCK_M - m_lo  # tile m0 ends before e0 + WINDOW iff m0 - m_lo <= x
-        f_hi = tl.where(x >= 0, m_lo + (tl.maximum(x, 0) // BLOCK_M + 1) * BLOCK_M, m_lo)
-    else:
-        f_hi = m_hi
-    if n0 + BLOCK_N > N:
-        f_lo = m_hi
-    f_lo = tl.minimum(tl.maximum(f_lo, m_lo), m_hi)
-    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), m_hi)
     r = tl.arange(0, R)
     g = r % GP
     head = h * G + g
     dk_acc = tl.zeros([BLOCK_N, BDK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BDV], tl.float32)
-    for m0 in range(m_lo, f_lo, BLOCK_M):
-        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
-                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
-                                    WINDOW, PREC, True)
-    for m0 in range(f_lo, f_hi, BLOCK_M):
-        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
-                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
-                                    WINDOW, PREC, False)
-    for m0 in range(f_hi, m_hi, BLOCK_M):
-        dk_acc, dv_acc = _dkdv_tile(k, v, dk_acc, dv_acc, Q, DO, LSE, DELTA, b, m0, r, g, head, n, e, N, Tq, q_start,
-                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, scale_log2, HQ, G, GP, DK, DV,
-                                    WINDOW, PREC, True)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        m = m0 + r // GP
+        row_ok = (m < Tq) & (g < G)
+        t = q_start + m
+        q = tl.load(
+            Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
+            mask=row_ok[:, None] & (dk[None, :] < DK),
+            other=0.0,
+        )
+        do = tl.load(
+            DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
+            mask=row_ok[:, None] & (dv[None, :] < DV),
+            other=0.0,
+        )
+        row = (b * HQ + head).to(tl.int64) * Tq + m
+        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
+        if WINDOW > 0:
+            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
     dk_acc = dk_acc * scale
     DK_ += pid_s.to(tl.int64) * sdk_s
     DV_ += pid_s.to(tl.int64) * sdv_s

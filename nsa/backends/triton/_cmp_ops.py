@@ -18,11 +18,12 @@ from . import _interp  # noqa: F401  (interpreter shim, applied on import)
 LOG2E = 1.4426950408889634
 
 # rows: query rows per program (BLOCK_M * next_pow2(G)); block_n: keys per tile.
-# cuda: measured on one H200 (scripts/bench_cmp_win.py, 2026-11-21): 64 rows / 4 warps beat 128 / 8.
+# cuda: measured on one H200 (scripts/bench_cmp_win.py, 2026-11-21): forward 64 rows / 4 warps beat
+# 128 / 8; backward 128 rows / 8 warps with the dk/dv query split (49.5 ms vs 56.4 at 64 / 4).
 TUNE = {
     "cuda": dict(
-        rows=64, block_n=64, warps=4, stages=2, score_lo=False,
-        bwd_rows=128, bwd_block_n=64, bwd_warps=8, bwd_stages=2, bwd_programs=1024, bwd_split_max=16,
+        rows=64, block_n=64, warps=4, stages=2, score_lo=True,
+        bwd_rows=128, bwd_block_n=64, bwd_warps=8, bwd_stages=2, bwd_programs=4096, bwd_split_max=32,
     ),
     "cpu": dict(
         rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1,
@@ -30,9 +31,10 @@ TUNE = {
     ),
 }
 # score_lo: half inputs map p_cmp onto block scores (Eq. 9) with a tensor-core product of p as fp16
-# (relative rounding <= 2^-12 per term; the output's p @ v product rounds p to 8 bits in bf16); True
-# adds a second product with the fp16 remainder (~2^-23). Measured on the H200 at 64k (2026-11-21):
-# 23.2 ms without, 24.6 ms with the remainder.
+# (relative rounding <= 2^-12 per term); True adds a second product with the fp16 remainder
+# (~2^-23). Measured on the H200 at 64k (2026-11-21): the compressed forward 23.2 ms without, 24.6 ms
+# with it, but without it 0.1 % of the top-n rows differ from the fp32 reference (near-ties) instead
+# of ~1e-6: exact selection is kept the default.
 # bwd_programs: the dk/dv kernel splits each key tile's query range into up to bwd_split_max shares
 # (float32 partials, summed after) until about this many programs run: at 64k the compressed branch
 # has only Tc/64 x H = 256 key tiles, too few to fill the GPU's SMs on their own.
@@ -63,6 +65,8 @@ def _geom(HQ, H, Dk, Dv, device, bwd=False):
     G = HQ // H
     GP = _p2(G)
     rows = tune["bwd_rows" if bwd else "rows"]
+    if max(Dk, Dv) > 128:
+        rows = min(rows, 64)  # shared memory: 128 rows of Dk=192 (padded to 256) exceed the H200's 227 KB
     block_m = max(1, rows // GP)
     return dict(G=G, GP=GP, BLOCK_M=block_m, BDK=max(16, _p2(Dk)), BDV=max(16, _p2(Dv))), tune
 
