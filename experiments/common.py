@@ -362,6 +362,7 @@ class Result:
     metrics: dict[str, float]                          # logged at step = seq
     failure: str | None = None                         # set: logged, then the run ends FAILED
     plot: tuple[str, str, str] | None = None           # (x column, y column, series column) for the sweep plot
+    tags: dict[str, str] = field(default_factory=dict)  # notes set as run tags (e.g. a baseline skipped, and why)
 
 
 def _output_dir() -> Path:
@@ -439,6 +440,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
         now = int(time.time() * 1000)
         ms = {**res.metrics, "seq": float(job.seq), "measured_work_s": work_s}
         client.log_batch(rid, metrics=[Metric(k, float(v), now, job.seq) for k, v in ms.items()])
+        for k, v in res.tags.items():
+            client.set_tag(rid, k, v)
         out = _output_dir()
         out.mkdir(parents=True, exist_ok=True)
         csv_path = out / f"{entry}.csv"

@@ -32,6 +32,16 @@ def estimate_bytes(job: common.Job) -> float:
     return float(B * S * per_token * job.dtype.itemsize)
 
 
+def dense_variants(dense_flash: bool, c, device_type: str) -> tuple[list[str], dict[str, str]]:
+    """The dense baselines to time, and a note (run tag) for one that cannot run here: PyTorch's
+    FlashAttention-2 runs on CUDA only and needs one head dim for q, k and v."""
+    if not dense_flash or device_type != "cuda":
+        return ["dense"], {}
+    if c.d_k != c.d_v:
+        return ["dense"], {"dense_flash": f"dense_flash skipped: FlashAttention-2 needs d_k == d_v (got {c.d_k}/{c.d_v})"}
+    return ["dense", "dense_flash"], {}
+
+
 def work(job: common.Job) -> common.Result:
     p, c, S = job.cfg.prefill, job.nsa, job.seq
     common.check_memory(job, estimate_bytes(job))
@@ -45,7 +55,9 @@ def work(job: common.Job) -> common.Result:
         idx = measure.selection_indices(inp, c, job.plan, job.fallback)
     t_pos = torch.arange(S, device=dev)[None, :, None]
     parts = measure.branch_tokens(c, t_pos, measure.selected_tokens(idx, c, 0))
-    dense = ["dense"] + (["dense_flash"] if p.dense_flash and dev.type == "cuda" else [])
+    dense, tags = dense_variants(p.dense_flash, c, dev.type)
+    for note in tags.values():
+        common.say(f"[prefill] seq={S}: {note}")
     timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense
     leaves = list(inp.tensors().values())
 
@@ -99,7 +111,7 @@ def work(job: common.Job) -> common.Result:
         for k, x in row.items():
             if k.endswith(("_ms", "_flop", "_per_s", "_pct", "_x", "_per_group")):
                 metrics[f"{v}_{k}"] = x
-    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"))
+    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"), tags=tags)
 
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")

@@ -225,3 +225,18 @@ def test_bad_configs_exit_with_one_line(runs):
     if db.exists():  # no run at all (in particular none RUNNING)
         c = MlflowClient(tracking_uri=f"sqlite:///{db}")
         assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())
+
+
+def test_prefill_dense_variants():
+    """dense_flash (SDPA forced to FlashAttention-2) is timed on CUDA only, and a shape it cannot run
+    (Dk != Dv) is skipped with a note that becomes a run tag, not a failed job."""
+    from experiments.prefill import dense_variants
+    from nsa import NSAConfig
+
+    same = NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=16, d_v=16)
+    paper = NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=24, d_v=16)
+    assert dense_variants(True, same, "cuda") == (["dense", "dense_flash"], {})
+    assert dense_variants(True, same, "cpu") == (["dense"], {})
+    assert dense_variants(False, same, "cuda") == (["dense"], {})
+    names, tags = dense_variants(True, paper, "cuda")
+    assert names == ["dense"] and "d_k == d_v (got 24/16)" in tags["dense_flash"]
