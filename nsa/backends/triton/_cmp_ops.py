@@ -19,7 +19,8 @@ LOG2E = 1.4426950408889634
 
 # rows: query rows per program (BLOCK_M * next_pow2(G)); block_n: keys per tile.
 # cuda: measured on one H200 (scripts/bench_cmp_win.py, 2026-11-21): forward 64 rows / 4 warps beat
-# 128 / 8; backward 128 rows / 8 warps with the dk/dv query split (49.5 ms vs 56.4 at 64 / 4).
+# 128 / 8; backward 128 rows / 8 warps with the dk/dv split over up to 32 query shares (compressed
+# backward at 64k: 47.7 ms; 49.5 with 16 shares; 56.4 at 64 rows / 4 warps; 71.1 unsplit).
 TUNE = {
     "cuda": dict(
         rows=64, block_n=64, warps=4, stages=2, score_lo=True,
