@@ -76,15 +76,17 @@ def close(a, b, tol):
     assert err <= tol * max(1.0, b.abs().max().item()), f"max abs err {err}"
 
 
-# (B, Tq, q_start, HQ, H, Dk, Dv, config kwargs)
+# (B, Tq, q_start, HQ, H, Dk, Dv, config kwargs); n_sel above n_init + n_local (1 + 2) leaves free
+# slots, so the indices depend on the scores
 CMP_CASES = [
     (1, 40, 0, 4, 2, 16, 32, {}),  # G=2, Dk != Dv, Tc=9 tokens, 5 blocks
     (1, 20, 0, 16, 1, 16, 16, {}),  # G=16: one query per program
     (2, 6, 0, 2, 2, 16, 16, {}),  # G=1, T < l: no compressed token at all
     (1, 3, 61, 8, 2, 16, 16, {}),  # G=4, decode-like: 3 queries after 61
-    (1, 56, 0, 2, 1, 16, 16, dict(l=4, d=2, l_sel=4, n_sel=3)),  # Tc=27: key tiles cross (carry path)
-    (1, 48, 0, 2, 1, 16, 16, dict(l=16, d=4, l_sel=8, n_sel=3)),  # l > l_sel: spill over two blocks
+    (1, 56, 0, 2, 1, 16, 16, dict(l=4, d=2, l_sel=4, n_sel=5)),  # Tc=27: key tiles cross (carry path)
+    (1, 48, 0, 2, 1, 16, 16, dict(l=16, d=4, l_sel=8, n_sel=5)),  # l > l_sel: spill over two blocks
     (1, 28, 0, 6, 2, 24, 16, dict(l=8, d=8, l_sel=16, n_sel=3, n_init=0, n_local=1)),  # G=3, l=d, Dk=24
+    (1, 64, 0, 6, 2, 16, 16, dict(l=4, d=2, l_sel=4, n_sel=5)),  # G=3 (a padding head row) over unmasked tiles
 ]
 CMP_IDS = [f"B{c[0]}-T{c[1]}-qs{c[2]}-HQ{c[3]}-H{c[4]}-Dk{c[5]}-Dv{c[6]}-{c[7]}" for c in CMP_CASES]
 
@@ -212,7 +214,7 @@ WIN_CASES = [
     (1, 3, 45, None, 8, 2, 16, 16, 16),  # G=4, decode-like
     (1, 2, 30, 40, 4, 1, 24, 16, 5),  # S > q_start + Tq, Dk=24, w not a multiple of tiles
     (1, 33, 0, None, 6, 2, 16, 16, 1),  # G=3, w=1: each query sees itself
-    (1, 80, 0, None, 2, 1, 16, 16, 40),  # G=2, w=40: tiles wholly inside the window skip the mask
+    (1, 80, 0, None, 2, 1, 16, 16, 40),  # G=2, w=40: the window spans several key and query tiles
 ]
 WIN_IDS = [f"B{c[0]}-T{c[1]}-qs{c[2]}-S{c[3]}-HQ{c[4]}-H{c[5]}-Dk{c[6]}-Dv{c[7]}-w{c[8]}" for c in WIN_CASES]
 
