@@ -8,8 +8,8 @@ separately (the plain PyTorch expression reads and writes about 12 bytes per out
 kernel reads 3 and writes 1 forward, reads 4 and writes 3 backward).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
 import torch
 import triton
 import triton.language as tl
