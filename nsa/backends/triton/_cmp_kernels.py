@@ -42,6 +42,25 @@ def _load_rows(base, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP:
 
 
 @triton.jit
+def _load_head_rows(X, b, s_b, s_t, s_h, m, head, d, row_ok, D: tl.constexpr):
+    """Rows (position m, query head) of a [B, T, HQ, D] tensor (columns padded to len(d)); 0 where not row_ok."""
+    return tl.load(
+        X + b * s_b + m[:, None].to(tl.int64) * s_t + head[:, None] * s_h + d[None, :],
+        mask=row_ok[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ: tl.constexpr, Tq):
+    """lse (+inf where not row_ok, so p = 0 there) and delta of rows (m, head), both [B, HQ, Tq]."""
+    row = (b * HQ + head).to(tl.int64) * Tq + m
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
 def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
               NSTEP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
               MASKED: tl.constexpr):
@@ -182,11 +201,7 @@ def _fwd_kernel(
     head = h * G + g
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    q = tl.load(
-        Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
-        mask=row_ok[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )
+    q = _load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
     tmin = q_start + m0
     tmax = q_start + tl.minimum(m0 + BLOCK_M, m_end) - 1
     # keys i with e(i) <= tmax
@@ -245,16 +260,8 @@ def _fwd_kernel(
         for n0 in range(lo, hi, NSTEP):
             n = n0 + nn
             n_ok = (nn < NSTEP) & (n < N)
-            k = tl.load(
-                kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-                mask=n_ok[:, None] & (dk[None, :] < DK),
-                other=0.0,
-            )
-            v = tl.load(
-                vb + n[:, None].to(tl.int64) * sv_n + dv[None, :],
-                mask=n_ok[:, None] & (dv[None, :] < DV),
-                other=0.0,
-            )
+            k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, True)
+            v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, True)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
             e = n * STRIDE + OFFSET
             vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
@@ -337,19 +344,9 @@ def _bwd_dq_kernel(
     head = h * G + g
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    q = tl.load(
-        Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
-        mask=row_ok[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
-        mask=row_ok[:, None] & (dv[None, :] < DV),
-        other=0.0,
-    )
-    row = (b * HQ + head).to(tl.int64) * Tq + m
-    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    q = _load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+    do = _load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    lse, delta = _load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
     tmin = q_start + m0
     tmax = q_start + tl.minimum(m0 + BLOCK_M, Tq) - 1
     hi = tl.maximum(tmax - OFFSET + STRIDE, 0) // STRIDE  # keys with e(i) <= tmax
@@ -366,16 +363,8 @@ def _bwd_dq_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + nn
         n_ok = n < N
-        k = tl.load(
-            kb + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-            mask=n_ok[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        v = tl.load(
-            vb + n[:, None].to(tl.int64) * sv_n + dv[None, :],
-            mask=n_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
+        k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
+        v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         e = n * STRIDE + OFFSET
         vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
@@ -457,16 +446,8 @@ def _bwd_dkdv_kernel(
     e = n * STRIDE + OFFSET
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    k = tl.load(
-        K + b * sk_b + h * sk_h + n[:, None].to(tl.int64) * sk_n + dk[None, :],
-        mask=n_ok[:, None] & (dk[None, :] < DK),
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * sv_b + h * sv_h + n[:, None].to(tl.int64) * sv_n + dv[None, :],
-        mask=n_ok[:, None] & (dv[None, :] < DV),
-        other=0.0,
-    )
+    k = _load_rows(K + b * sk_b + h * sk_h, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
+    v = _load_rows(V + b * sv_b + h * sv_h, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
     # query rows m that see some key of this tile: t >= e(n0) (and t < e(last) + WINDOW)
     m_lo = tl.maximum(n0 * STRIDE + OFFSET - q_start, 0)
     m_lo = (m_lo // BLOCK_M) * BLOCK_M
@@ -489,19 +470,9 @@ def _bwd_dkdv_kernel(
         m = m0 + r // GP
         row_ok = (m < Tq) & (g < G)
         t = q_start + m
-        q = tl.load(
-            Q + b * sq_b + m[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + dk[None, :],
-            mask=row_ok[:, None] & (dk[None, :] < DK),
-            other=0.0,
-        )
-        do = tl.load(
-            DO + b * sdo_b + m[:, None].to(tl.int64) * sdo_t + head[:, None] * sdo_h + dv[None, :],
-            mask=row_ok[:, None] & (dv[None, :] < DV),
-            other=0.0,
-        )
-        row = (b * HQ + head).to(tl.int64) * Tq + m
-        lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+        q = _load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+        do = _load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+        lse, delta = _load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
         if WINDOW > 0:

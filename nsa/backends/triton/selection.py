@@ -56,6 +56,14 @@ def _np2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, seq):
+    """(first query row, first key row, key count) of packed sequence ``seq`` (int64)."""
+    q0 = tl.load(CU_Q + seq).to(tl.int64)
+    k0 = tl.load(CU_K + seq).to(tl.int64)
+    return q0, k0, tl.load(CU_K + seq + 1).to(tl.int64) - k0
+
+
 # ------------------------------------------------------------------------------------------------
 # Query-outer kernels: one program per (query row, kv head); rows of the tile = the G heads.
 # ------------------------------------------------------------------------------------------------
@@ -72,9 +80,7 @@ def _fwd_q_kernel(
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
-    q0 = tl.load(CU_Q + seq).to(tl.int64)
-    k0 = tl.load(CU_K + seq).to(tl.int64)
-    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    q0, k0, S = _seq_bounds(CU_Q, CU_K, seq)
     t = q_start + (r - q0)
 
     g = tl.arange(0, BLOCK_G)
@@ -127,9 +133,7 @@ def _bwd_dq_kernel(
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
-    q0 = tl.load(CU_Q + seq).to(tl.int64)
-    k0 = tl.load(CU_K + seq).to(tl.int64)
-    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    q0, k0, S = _seq_bounds(CU_Q, CU_K, seq)
     t = q_start + (r - q0)
 
     g = tl.arange(0, BLOCK_G)
@@ -215,9 +219,7 @@ def _fwd_kv_kernel(
     j = key % NB
     h = (key // NB) % H
     seq = key // (NB * H)
-    q0 = tl.load(CU_Q + seq).to(tl.int64)
-    k0 = tl.load(CU_K + seq).to(tl.int64)
-    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    q0, k0, S = _seq_bounds(CU_Q, CU_K, seq)
 
     kl = tl.arange(0, BLOCK_L)
     dk = tl.arange(0, BLOCK_DK)
@@ -323,9 +325,7 @@ def _bwd_kv_kernel(
     j = key % NB
     h = (key // NB) % H
     seq = key // (NB * H)
-    q0 = tl.load(CU_Q + seq).to(tl.int64)
-    k0 = tl.load(CU_K + seq).to(tl.int64)
-    S = tl.load(CU_K + seq + 1).to(tl.int64) - k0
+    q0, k0, S = _seq_bounds(CU_Q, CU_K, seq)
 
     kl = tl.arange(0, BLOCK_L)
     dk = tl.arange(0, BLOCK_DK)
