@@ -50,16 +50,15 @@ def cases(dk, dv):
     bf, f32 = "*bf16", "*fp32"
     geo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda)
     bgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, bwd=True)
-    base = dict(HQ=64, H=4, G=16, GP=16, DK=dk, DV=dv, BDK=geo["BDK"], BDV=geo["BDV"], PREC="tf32")
     io = dict(Q=bf, K=bf, V=bf, Out=bf, LSE=f32, SC=f32)
-    fwd = dict(base, BLOCK_M=geo["BLOCK_M"], BLOCK_N=64, NSTEP=64)
+    fwd = dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64)
     yield ("cmp fwd (scores)", K._fwd_kernel,
            dict(fwd, STRIDE=16, OFFSET=31, WINDOW=0, SCORES=True, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16, BJP=16,
                 SCORE_DOT=True, SCORE_LO=tune["score_lo"]), io, (), dict(num_warps=tune["warps"], num_stages=tune["stages"]))
     yield ("win fwd", K._fwd_kernel,
            dict(fwd, STRIDE=1, OFFSET=0, WINDOW=512, SCORES=False, D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1,
                 SCORE_DOT=False, SCORE_LO=False), io, (), dict(num_warps=tune["warps"], num_stages=tune["stages"]))
-    bwd = dict(base, BLOCK_M=bgeo["BLOCK_M"], BLOCK_N=tune["bwd_block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
+    bwd = dict(bgeo, PREC="tf32", BLOCK_N=tune["bwd_block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
     opts = dict(num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
     yield ("cmp bwd dq", K._bwd_dq_kernel, bwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
     yield ("cmp bwd dk/dv", K._bwd_dkdv_kernel, bwd,

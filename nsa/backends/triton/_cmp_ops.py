@@ -69,7 +69,8 @@ def _geom(HQ, H, Dk, Dv, device, bwd=False):
     if max(Dk, Dv) > 128:
         rows = min(rows, 64)  # shared memory: 128 rows of Dk=192 (padded to 256) exceed the H200's 227 KB
     block_m = max(1, rows // GP)
-    return dict(G=G, GP=GP, BLOCK_M=block_m, BDK=max(16, _p2(Dk)), BDV=max(16, _p2(Dv))), tune
+    geo = dict(HQ=HQ, H=H, G=G, GP=GP, DK=Dk, DV=Dv, BDK=max(16, _p2(Dk)), BDV=max(16, _p2(Dv)), BLOCK_M=block_m)
+    return geo, tune  # geo: the shape constexprs every kernel of _cmp_kernels takes
 
 
 def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=None, n_blocks=0):
@@ -132,15 +133,7 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             c1,
             n_blocks,
             scale * LOG2E,
-            HQ=HQ,
-            H=H,
-            G=geo["G"],
-            GP=geo["GP"],
-            DK=Dk,
-            DV=Dv,
-            BDK=geo["BDK"],
-            BDV=geo["BDV"],
-            BLOCK_M=geo["BLOCK_M"],
+            **geo,
             BLOCK_N=_p2(nstep),
             NSTEP=nstep,
             STRIDE=stride,
@@ -236,15 +229,7 @@ def _attn_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, windo
     delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]
     dq, dk, dv = _out(q.shape, q), _out(k.shape, k), _out(v.shape, v)
     common = dict(
-        HQ=HQ,
-        H=H,
-        G=geo["G"],
-        GP=geo["GP"],
-        DK=Dk,
-        DV=Dv,
-        BDK=geo["BDK"],
-        BDV=geo["BDV"],
-        BLOCK_M=geo["BLOCK_M"],
+        **geo,
         BLOCK_N=tune["bwd_block_n"],
         STRIDE=stride,
         OFFSET=offset,

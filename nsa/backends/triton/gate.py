@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from . import _interp  # noqa: F401  (interpreter shim, applied on import)
+from ._cmp_ops import _out  # outputs NaN-filled under poisoned_outputs()
 
 BLOCK_R = 16
 
@@ -55,12 +56,6 @@ def _gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.conste
     _gate_bwd_one(OC, DOC, GT, DG, do, r, ok, off, mask, 0)
     _gate_bwd_one(OS, DOS, GT, DG, do, r, ok, off, mask, 1)
     _gate_bwd_one(OW, DOW, GT, DG, do, r, ok, off, mask, 2)
-
-
-def _out(shape, like, dtype=None):
-    from . import _cmp_ops
-
-    return _cmp_ops._out(shape, like, dtype)
 
 
 class GatedSum(torch.autograd.Function):
