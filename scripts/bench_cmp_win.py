@@ -269,8 +269,10 @@ def tune_sweep(res, T=65536, fwd=True):
         print("tune", entry, flush=True)
     _cmp_ops.TUNE["cuda"].update(base)
     base = dict(_cmp_ops.TUNE["cuda"])
+    # (64, 64, 4, 2, 1024, 1): no query split, the backward before the split existed
     for rows, bn, warps, stages, progs, smax in ((128, 64, 8, 2, 4096, 32), (128, 64, 8, 2, 1024, 16),
-                                                 (64, 64, 4, 2, 4096, 32)):
+                                                 (64, 64, 4, 2, 4096, 32), (64, 64, 4, 2, 1024, 16),
+                                                 (64, 64, 4, 2, 1024, 1)):
         _cmp_ops.TUNE["cuda"].update(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages,
                                      bwd_programs=progs, bwd_split_max=smax)
         entry = dict(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages, bwd_programs=progs,
