@@ -17,7 +17,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nsa import dispatch, functional  # noqa: E402
-from nsa.backends.triton import gate, poisoned_outputs, triton_unsupported  # noqa: E402
+from nsa.backends.triton import gate, poisoned_outputs, rowdot, triton_unsupported  # noqa: E402
 
 from conftest import make_config, random_inputs  # noqa: E402
 
@@ -65,3 +65,20 @@ def test_nsa_attention_uses_fused_gate(monkeypatch):
     ref = functional.nsa_attention(*args, cfg, backend="reference")
     assert calls == [1] and rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
     assert (o - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 3, 24), (1, 5, 16, 128), (0, 4, 2, 8)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-6)])
+def test_row_dot_matches_plain_expression(shape, dtype, tol):
+    """The backward's delta = rowsum(dO * O) in float32: rows not a multiple of the program's rows,
+    a head dim that is not a power of two, an empty batch."""
+    g = torch.Generator().manual_seed(sum(shape))
+    a = torch.randn(*shape, generator=g).to(dtype)
+    b = torch.randn(*shape, generator=g).to(dtype)
+    out = rowdot.row_dot(a, b)
+    ref = (a.double() * b.double()).sum(-1)
+    assert out.dtype == torch.float32 and out.shape == shape[:-1]
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * 10)
+    with pytest.raises(ValueError, match="row_dot: shapes"):
+        rowdot.row_dot(a, b[..., :-1])
+

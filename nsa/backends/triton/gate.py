@@ -16,17 +16,14 @@ import triton.language as tl
 
 from . import _interp  # noqa: F401  (interpreter shim, applied on import)
 from ._cmp_ops import _out  # outputs NaN-filled under poisoned_outputs()
+from .rowdot import row_tile
 
 BLOCK_R = 16
 
 
 @triton.jit
 def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BD)
-    ok = r < n_rows
-    mask = ok[:, None] & (d[None, :] < D)
-    off = r[:, None] * D + d[None, :]
+    r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
     g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
     g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
@@ -47,11 +44,7 @@ def _gate_bwd_one(SRC, DST, GT, DG, do, r, ok, off, mask, c: tl.constexpr):
 @triton.jit
 def _gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.constexpr, BD: tl.constexpr,
                      BLOCK_R: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BD)
-    ok = r < n_rows
-    mask = ok[:, None] & (d[None, :] < D)
-    off = r[:, None] * D + d[None, :]
+    r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
     _gate_bwd_one(OC, DOC, GT, DG, do, r, ok, off, mask, 0)
     _gate_bwd_one(OS, DOS, GT, DG, do, r, ok, off, mask, 1)

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rowdot import row_dot
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -527,7 +529,7 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, opts):
     do = do.contiguous()
     prec = _prec(q.dtype)
     scale_log2 = scale * LOG2E
-    delta = (do.float() * o.float()).sum(-1)  # [Nq,HQ]: rowsum(dO * O)
+    delta = row_dot(do, o)  # [Nq,HQ]: rowsum(dO * O)
     dk32 = torch.zeros(Nk, H, Dk, device=q.device, dtype=torch.float32)
     dv32 = torch.zeros(Nk, H, Dv, device=q.device, dtype=torch.float32)
     if Nq == 0:

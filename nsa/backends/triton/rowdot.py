@@ -1,0 +1,51 @@
+"""The backward's row statistic delta = rowsum(dO * O) (flash-attention backward, per query row and
+head) as one Triton pass in float32.
+
+The PyTorch expression ``(do.float() * o.float()).sum(-1)`` writes two float32 copies and their
+product: about 15 bytes moved per input element, ~4 ms per branch at 64k on the H200 for 1 GB of
+bf16 dO. This kernel reads each input once (4 bytes per element for bf16 dO and O).
+"""
+
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+import torch
+import triton
+import triton.language as tl
+
+from . import _interp  # noqa: F401  (interpreter shim, applied on import)
+
+BLOCK_R = 32
+
+
+@triton.jit
+def row_tile(n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows of a contiguous [n_rows, D] tensor (columns padded to BD):
+    (rows r, row mask, element mask, element offsets); offsets in int64."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BD)
+    ok = r < n_rows
+    return r, ok, ok[:, None] & (d[None, :] < D), r[:, None] * D + d[None, :]
+
+
+@triton.jit
+def _row_dot_kernel(A, B, OUT, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
+    a = tl.load(A + off, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + r, tl.sum(a * b, 1), mask=ok)
+
+
+def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a.float() * b.float()).sum(-1)`` for two same-shape tensors: float32, shape ``a.shape[:-1]``."""
+    if a.shape != b.shape:
+        raise ValueError(f"row_dot: shapes {tuple(a.shape)} and {tuple(b.shape)} differ")
+    a, b = a.contiguous(), b.contiguous()
+    D = a.shape[-1]
+    out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
+    n_rows = out.numel()
+    if n_rows and D:
+        _row_dot_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            a, b, out, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+    elif n_rows:
+        out.zero_()
+    return out
