@@ -1,6 +1,6 @@
 """Check and time the compressed (cmp) and sliding-window (win) branches on one GPU.
 
-    python scripts/bench_cmp_win.py [--out DIR] [--T 8192,16384,32768,65536] [--quick | --tune-bwd]
+    python scripts/bench_cmp_win.py [--out DIR] [--T 8192,16384,32768,65536] [--quick | --tune-bwd | --tune-fwd]
 
 1. Correctness in bf16 against ``nsa.reference`` on fp32-upcast inputs (T <= 8k): o_cmp, the top-n
    indices (share equal; bf16 rounding can reorder near-ties), dq/dk/dv; the fp32 Triton path (ieee
@@ -247,22 +247,34 @@ def parts(res, T=65536):
     print("parts", res["parts"], flush=True)
 
 
-def tune_sweep(res, T=65536, fwd=True):
+def tune_sweep(res, T=65536, fwd=True, bwd=True):
     """Tile variants of the Triton cmp/win kernels at one T (rows per program, keys per tile, warps,
     stages; forward, then backward)."""
     cfg = cfg_for()
     x = inputs(cfg, 1, T, torch.bfloat16, seed=3)
     base = dict(_cmp_ops.TUNE["cuda"])
-    for rows, bn, warps, stages, lo in ((64, 64, 4, 2, False), (64, 64, 4, 2, True), (128, 64, 8, 3, False),
-                                        (64, 64, 8, 2, False))[: None if fwd else 0]:
-        _cmp_ops.TUNE["cuda"].update(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo)
-        entry = dict(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo)
+    # compressed forward: (rows, block_n, warps, stages, score_lo, lse_n)
+    for rows, bn, warps, stages, lo, lse_n in ((64, 64, 4, 2, True, 128), (64, 64, 4, 2, True, 64),
+                                               (64, 64, 4, 2, False, 128), (128, 64, 8, 3, True, 128),
+                                               (128, 64, 8, 2, True, 128), (64, 64, 4, 2, True, 256))[: None if fwd else 0]:
+        _cmp_ops.TUNE["cuda"].update(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo, lse_n=lse_n)
+        entry = dict(rows=rows, block_n=bn, warps=warps, stages=stages, score_lo=lo, lse_n=lse_n)
         try:
             with torch.no_grad():
                 entry["cmp_fwd"] = bench(lambda: compressed_branch(x["q"], x["kc"], x["vc"], cfg), rep=100)
-                entry["win_fwd"] = bench(
-                    lambda: sliding_window_attention(x["q"], x["kw"], x["vw"], cfg), rep=100
-                )
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = f"{type(e).__name__}: {e}"[:300]
+        res["tune_fwd"].append(entry)
+        print("tune", entry, flush=True)
+    _cmp_ops.TUNE["cuda"].update(base)
+    # window forward: (win_rows, win_block_n, win_warps, win_stages)
+    for rows, bn, warps, stages in ((64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2),
+                                    (128, 64, 8, 2))[: None if fwd else 0]:
+        _cmp_ops.TUNE["cuda"].update(win_rows=rows, win_block_n=bn, win_warps=warps, win_stages=stages)
+        entry = dict(win_rows=rows, win_block_n=bn, win_warps=warps, win_stages=stages)
+        try:
+            with torch.no_grad():
+                entry["win_fwd"] = bench(lambda: sliding_window_attention(x["q"], x["kw"], x["vw"], cfg), rep=100)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"{type(e).__name__}: {e}"[:300]
         res["tune_fwd"].append(entry)
@@ -272,7 +284,7 @@ def tune_sweep(res, T=65536, fwd=True):
     # (64, 64, 4, 2, 1024, 1): no query split, the backward before the split existed
     for rows, bn, warps, stages, progs, smax in ((128, 64, 8, 2, 4096, 32), (128, 64, 8, 2, 1024, 16),
                                                  (64, 64, 4, 2, 4096, 32), (64, 64, 4, 2, 1024, 16),
-                                                 (64, 64, 4, 2, 1024, 1)):
+                                                 (64, 64, 4, 2, 1024, 1))[: None if bwd else 0]:
         _cmp_ops.TUNE["cuda"].update(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages,
                                      bwd_programs=progs, bwd_split_max=smax)
         entry = dict(bwd_rows=rows, bwd_block_n=bn, bwd_warps=warps, bwd_stages=stages, bwd_programs=progs,
@@ -301,6 +313,7 @@ def main():
     ap.add_argument("--T", default="8192,16384,32768,65536")
     ap.add_argument("--quick", action="store_true", help="skip the tile sweep")
     ap.add_argument("--tune-bwd", action="store_true", help="only the backward part of the tile sweep")
+    ap.add_argument("--tune-fwd", action="store_true", help="only the forward part of the tile sweep")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = dict(
@@ -322,7 +335,7 @@ def main():
         ("check", lambda: check(res)),
         ("parts", lambda: parts(res)),
         ("times", lambda: timings(res, [int(t) for t in a.T.split(",")])),
-        ("tune", (lambda: None) if a.quick else (lambda: tune_sweep(res, fwd=not a.tune_bwd))),
+        ("tune", (lambda: None) if a.quick else (lambda: tune_sweep(res, fwd=not a.tune_bwd, bwd=not a.tune_fwd))),
     ):
         try:
             fn()

@@ -4,7 +4,7 @@
 
 Triton compiles to PTX and runs its bundled ptxas without a device, so this prints, per kernel and
 launch shape the triton backend uses on CUDA (``_cmp_ops.TUNE["cuda"]``, the top-n buckets, the gated
-sum): compile seconds, shared memory (bytes; the H200 allows 232448 per block) and local-memory
+sum, the backward's row dot): compile seconds, shared memory (bytes; the H200 allows 232448 per block) and local-memory
 stores in the PTX (register spills). A shape that needs too much shared memory, or a compile that
 takes minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or
 exceeds --smem. A compile time near 0 s is a hit in Triton's on-disk cache. Timings need the GPU.
@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nsa.backends.triton import _cmp_kernels as K  # noqa: E402
-from nsa.backends.triton import _cmp_ops, gate  # noqa: E402
+from nsa.backends.triton import _cmp_ops, gate, rowdot  # noqa: E402
 
 
 def compile_one(fn, consts, ptrs, target, i64=(), **opts):
@@ -49,15 +49,18 @@ def cases(dk, dv):
     tune = _cmp_ops.TUNE["cuda"]
     bf, f32 = "*bf16", "*fp32"
     geo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda)
-    bgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, bwd=True)
+    wgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, "win")
+    bgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, "bwd")
     io = dict(Q=bf, K=bf, V=bf, Out=bf, LSE=f32, SC=f32)
-    fwd = dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64)
     yield ("cmp fwd (scores)", K._fwd_kernel,
-           dict(fwd, STRIDE=16, OFFSET=31, WINDOW=0, SCORES=True, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16, BJP=16,
-                SCORE_DOT=True, SCORE_LO=tune["score_lo"]), io, (), dict(num_warps=tune["warps"], num_stages=tune["stages"]))
+           dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, WINDOW=0, SCORES=True, D_CMP=16,
+                L_CMP=32, L_SEL=64, BJ=16, BJP=16, SCORE_DOT=True, SCORE_LO=tune["score_lo"], LSE_N=tune["lse_n"]),
+           io, (), dict(num_warps=tune["warps"], num_stages=tune["stages"]))
+    wn = tune["win_block_n"]
     yield ("win fwd", K._fwd_kernel,
-           dict(fwd, STRIDE=1, OFFSET=0, WINDOW=512, SCORES=False, D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1,
-                SCORE_DOT=False, SCORE_LO=False), io, (), dict(num_warps=tune["warps"], num_stages=tune["stages"]))
+           dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, STRIDE=1, OFFSET=0, WINDOW=512, SCORES=False, D_CMP=1,
+                L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False, LSE_N=tune["lse_n"]),
+           io, (), dict(num_warps=tune["win_warps"], num_stages=tune["win_stages"]))
     bwd = dict(bgeo, PREC="tf32", BLOCK_N=tune["bwd_block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
     opts = dict(num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
     yield ("cmp bwd dq", K._bwd_dq_kernel, bwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
@@ -73,6 +76,8 @@ def cases(dk, dv):
         yield ("gated sum fwd", gate._gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), dict(num_warps=4))
         yield ("gated sum bwd", gate._gate_bwd_kernel, g,
                dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), dict(num_warps=4))
+        yield ("row dot (delta)", rowdot._row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
+               dict(A=bf, B=bf, OUT=f32), (), dict(num_warps=4))
 
 
 class _Cuda:

@@ -42,8 +42,9 @@ def _poison(monkeypatch):
     monkeypatch.setitem(
         _cmp_ops.TUNE,
         "cpu",
-        dict(rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1,
-             bwd_programs=8, bwd_split_max=4),
+        # lse_n != block_n and win_rows != rows: pass 1 and the window use their own tiles
+        dict(rows=16, block_n=16, warps=4, stages=1, lse_n=32, win_rows=32, win_block_n=16, win_warps=4,
+             win_stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4),
     )
 
 
@@ -87,6 +88,9 @@ CMP_CASES = [
     (1, 48, 0, 2, 1, 16, 16, dict(l=16, d=4, l_sel=8, n_sel=5)),  # l > l_sel: spill over two blocks
     (1, 28, 0, 6, 2, 24, 16, dict(l=8, d=8, l_sel=16, n_sel=3, n_init=0, n_local=1)),  # G=3, l=d, Dk=24
     (1, 64, 0, 6, 2, 16, 16, dict(l=4, d=2, l_sel=4, n_sel=5)),  # G=3 (a padding head row) over unmasked tiles
+    # nothing forced: every candidate's score counts, including blocks only the last tile's carry
+    # writes (G=16: one position per program, so some programs end exactly on a tile)
+    (1, 80, 0, 16, 1, 16, 16, dict(n_init=0, n_local=0)),
 ]
 CMP_IDS = [f"B{c[0]}-T{c[1]}-qs{c[2]}-HQ{c[3]}-H{c[4]}-Dk{c[5]}-Dv{c[6]}-{c[7]}" for c in CMP_CASES]
 
@@ -171,10 +175,12 @@ def test_compressed_ties_go_to_lower_index(kind):
     assert (idx[0, many, :, 1] == 1).all()
 
 
-@pytest.mark.parametrize("nb,c,q_start", [(7, 30, 0), (40, 5, 150), (3, 4, 0), (40, 160, 0), (40, 100, 37)])
-def test_topn_kernel_matches_select_blocks(nb, c, q_start):
+# (n_init, n_local) with n_sel = 5: forced blocks placed directly, then 2, 5, 0 or 2 rounds over the rest
+@pytest.mark.parametrize("forcing", [(1, 2), (0, 0), (2, 3), (3, 0)], ids=lambda f: f"init{f[0]}-local{f[1]}")
+@pytest.mark.parametrize("nb,c,q_start", [(7, 28, 0), (40, 5, 150), (3, 4, 0), (40, 160, 0), (40, 100, 37)])
+def test_topn_kernel_matches_select_blocks(nb, c, q_start, forcing):
     """The top-n launch (position ranges bucketed by candidate count) on scores with many exact ties."""
-    cfg = cfg_of(4, 2, 16, 16, l_sel=4, n_sel=5)
+    cfg = cfg_of(4, 2, 16, 16, l_sel=4, n_sel=5, n_init=forcing[0], n_local=forcing[1])
     g = torch.Generator().manual_seed(nb)
     scores = torch.randint(0, 4, (2, c, 2, nb), generator=g).float() / 4  # many exact ties
     out = torch.full((2, c, 2, cfg.n_sel), -7, dtype=torch.int64)
@@ -182,6 +188,13 @@ def test_topn_kernel_matches_select_blocks(nb, c, q_start):
     ref = reference.select_blocks(scores, cfg, q_start=q_start)
     assert torch.equal(out, ref)
     assert torch.equal(_cmp_ops.topn_blocks(scores, cfg, q_start), ref)
+
+
+def test_topn_launch_rejects_too_few_blocks():
+    cfg = cfg_of(4, 2, 16, 16, l_sel=4, n_sel=5)
+    scores = torch.zeros(1, 30, 2, 7)  # position 29 has 8 candidate blocks
+    with pytest.raises(ValueError, match="nb=7"):
+        _cmp_ops.topn_launch(scores, torch.empty(1, 30, 2, 5, dtype=torch.int64), 0, 7, cfg)
 
 
 def test_compressed_chunked_score_buffer(monkeypatch):

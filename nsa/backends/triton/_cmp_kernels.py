@@ -78,14 +78,65 @@ def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: t
 
 
 @triton.jit
-def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, sc_row, sc_row_ok, cc, nb,
-                scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr, STRIDE: tl.constexpr,
-                OFFSET: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
-                BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr, SCORE_DOT: tl.constexpr,
-                SCORE_LO: tl.constexpr, MASKED: tl.constexpr):
+def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc, scale_log2,
+                 DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, NSTEP: tl.constexpr,
+                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One-pass online softmax (Eq. 5 with Eq. 8's normalizer) on keys n0..n0+NSTEP; unmasked tiles
+    are visible to every row of the program."""
+    n = n0 + nn
+    k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
+    v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        e = n * STRIDE + OFFSET
+        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & (e[None, :] <= t[:, None])
+        if WINDOW > 0:
+            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _eq9_weights(nn, cc, NSTEP: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
+                 BJ: tl.constexpr, BJP: tl.constexpr, SCORE_DOT: tl.constexpr):
+    """Eq. 9 weights W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d of a tile's tokens ii onto its
+    blocks: the same for every tile (tile n0 starts at token n0*d = block j0*l_sel, NSTEP*d = BJ*l_sel),
+    so they are built once per program. SCORE_DOT: [BLOCK_N, 2*BJP] fp16, columns interleaved [main c,
+    spill c] (spill: block BJ+c, carried to the next tile); else (main [BLOCK_N, BJP], spill) fp32."""
+    i_lo = nn * D_CMP
+    i_ok = nn < NSTEP
+    if SCORE_DOT:
+        c2 = tl.arange(0, 2 * BJP)
+        jl = (c2 // 2 + (c2 % 2) * BJ) * L_SEL
+        w_a = tl.minimum(i_lo[:, None] + L_CMP, jl[None, :] + L_SEL) - tl.maximum(i_lo[:, None], jl[None, :])
+        w_a = tl.where(i_ok[:, None], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float16)  # small integers: exact
+        w_b = w_a
+    else:
+        j_lo = cc * L_SEL
+        w_a = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
+        w_a = tl.where(i_ok[:, None], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float32)
+        j_lo2 = j_lo + BJ * L_SEL
+        w_b = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo2[None, :])
+        w_b = tl.where(i_ok[:, None], tl.maximum(w_b, 0) // D_CMP, 0).to(tl.float32)
+    return w_a, w_b
+
+
+@triton.jit
+def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b, sc_row, sc_row_ok,
+                cc, nb, scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
+                STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
+                SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, MASKED: tl.constexpr):
     """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v, and the Eq. 9/10 block
-    scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile)."""
+    scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile).
+    (w_a, w_b): the tile's Eq. 9 weights from ``_eq9_weights``."""
     n = n0 + nn
     k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
     v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
@@ -95,38 +146,24 @@ def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, c
         vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
         p = tl.where(vis, p, 0.0)
     acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    # Eq. 9 weights of tokens n0+ii onto blocks j0+cc (main) and j0+BJ+cc (spill)
     j0 = (n0 // NSTEP) * BJ
-    i_lo = n * D_CMP
-    i_ok = nn < NSTEP
     if SCORE_DOT:
-        # Tensor-core path (half inputs): p*2^14 as fp16 (plus, with SCORE_LO, its fp16 remainder), W
-        # interleaved [main c, spill c] in 2*BJP columns (small integers, exact in fp16), Eq. 10 group
-        # sum on the [R, 2*BJP] product.
-        c2 = tl.arange(0, 2 * BJP)
-        jl = (j0 + c2 // 2 + (c2 % 2) * BJ) * L_SEL
-        w2 = tl.minimum(i_lo[:, None] + L_CMP, jl[None, :] + L_SEL) - tl.maximum(i_lo[:, None], jl[None, :])
-        w2 = tl.where(i_ok[:, None], tl.maximum(w2, 0) // D_CMP, 0).to(tl.float16)
+        # Tensor-core path (half inputs): p*2^14 as fp16 (plus, with SCORE_LO, its fp16 remainder) times
+        # the fp16 weights, Eq. 10 group sum on the [R, 2*BJP] product.
         ps = p * 16384.0
         p_hi = ps.to(tl.float16)
-        cw = tl.dot(p_hi, w2)
+        cw = tl.dot(p_hi, w_a)
         if SCORE_LO:
             p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
-            cw += tl.dot(p_lo, w2)
+            cw += tl.dot(p_lo, w_a)
         cw = tl.sum(tl.reshape(cw, [BLOCK_M, GP, 2 * BJP]), 1) * (1.0 / 16384.0)
         main, spill = tl.split(tl.reshape(cw, [BLOCK_M, BJP, 2]))
         blk = main + carry
         carry = spill
     else:
         pg = tl.sum(tl.reshape(p, [BLOCK_M, GP, BLOCK_N]), 1)  # Eq. 10: sum over the group
-        j_lo = (j0 + cc) * L_SEL
-        w_main = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
-        w_main = tl.where(i_ok[:, None], tl.maximum(w_main, 0) // D_CMP, 0).to(tl.float32)
-        j_lo2 = j_lo + BJ * L_SEL
-        w_sp = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo2[None, :])
-        w_sp = tl.where(i_ok[:, None], tl.maximum(w_sp, 0) // D_CMP, 0).to(tl.float32)
-        blk = tl.sum(pg[:, :, None] * w_main[None, :, :], 1) + carry
-        carry = tl.sum(pg[:, :, None] * w_sp[None, :, :], 1)
+        blk = tl.sum(pg[:, :, None] * w_a[None, :, :], 1) + carry
+        carry = tl.sum(pg[:, :, None] * w_b[None, :, :], 1)
     j = j0 + cc
     tl.store(sc_row + j[None, :], blk, mask=sc_row_ok[:, None] & (cc < BJ)[None, :] & (j < nb)[None, :])
     return acc, carry
@@ -185,6 +222,7 @@ def _fwd_kernel(
     PREC: tl.constexpr,
     SCORE_DOT: tl.constexpr,
     SCORE_LO: tl.constexpr,
+    LSE_N: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_M * GP
     pid_m = tl.program_id(0)
@@ -223,17 +261,20 @@ def _fwd_kernel(
         # Tiles [0, n_full) are visible to every valid row of this program (e(i) <= tmin, i < N): they
         # skip the causal mask. Padding rows (m >= m_end or g >= G) then carry garbage through pass 1,
         # so their lse is set to +inf below and their p is exactly 0 in pass 2.
-        n_full = tl.minimum(tl.maximum(tmin - OFFSET + STRIDE, 0) // STRIDE, N)
-        n_full = (n_full // NSTEP) * NSTEP
+        n_vis = tl.minimum(tl.maximum(tmin - OFFSET + STRIDE, 0) // STRIDE, N)
+        n_full = (n_vis // NSTEP) * NSTEP
         if NSTEP != BLOCK_N:
             n_full = 0  # tiles with padding columns always take the masked path
-        # pass 1: the row log-sum-exp over the visible compressed keys (Eq. 8's normalizer)
-        for n0 in range(0, n_full, NSTEP):
-            m_i, l_i = _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
-                                 DK, BDK, NSTEP, STRIDE, OFFSET, PREC, False)
-        for n0 in range(n_full, hi, NSTEP):
-            m_i, l_i = _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
-                                 DK, BDK, NSTEP, STRIDE, OFFSET, PREC, True)
+        # pass 1: the row log-sum-exp over the visible compressed keys (Eq. 8's normalizer), in tiles
+        # of LSE_N keys (a power of two: no padding columns)
+        n_full1 = (n_vis // LSE_N) * LSE_N
+        nn1 = tl.arange(0, LSE_N)
+        for n0 in range(0, n_full1, LSE_N):
+            m_i, l_i = _lse_tile(q, kb, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                                 DK, BDK, LSE_N, STRIDE, OFFSET, PREC, False)
+        for n0 in range(n_full1, hi, LSE_N):
+            m_i, l_i = _lse_tile(q, kb, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                                 DK, BDK, LSE_N, STRIDE, OFFSET, PREC, True)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
         lse = tl.where(row_ok, lse, float("inf"))
         # pass 2: normalized probabilities -> output and Eq. 9/10 block scores
@@ -242,39 +283,36 @@ def _fwd_kernel(
         sc_row = SC + b * ssc_b + (m0 + mm - m_begin)[:, None].to(tl.int64) * ssc_t + h * ssc_h
         sc_row_ok = (m0 + mm) < m_end
         carry = tl.zeros([BLOCK_M, BJP], tl.float32)
+        w_a, w_b = _eq9_weights(nn, cc, NSTEP, D_CMP, L_CMP, L_SEL, BJ, BJP, SCORE_DOT)
         for n0 in range(0, n_full, NSTEP):
-            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
                                      sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
-                                     BLOCK_N, NSTEP, STRIDE, OFFSET, D_CMP, L_CMP, L_SEL, BJ, BJP, PREC, SCORE_DOT,
-                                     SCORE_LO, False)
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False)
         for n0 in range(n_full, hi, NSTEP):
-            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+            acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
                                      sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
-                                     BLOCK_N, NSTEP, STRIDE, OFFSET, D_CMP, L_CMP, L_SEL, BJ, BJP, PREC, SCORE_DOT,
-                                     SCORE_LO, True)
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True)
         j_end = tl.cdiv(hi, NSTEP) * BJ
         j = j_end + cc
         tl.store(sc_row + j[None, :], carry, mask=sc_row_ok[:, None] & (j < nb)[None, :])
         o = acc
     else:
-        for n0 in range(lo, hi, NSTEP):
-            n = n0 + nn
-            n_ok = (nn < NSTEP) & (n < N)
-            k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, True)
-            v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, True)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-            e = n * STRIDE + OFFSET
-            vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
-            if WINDOW > 0:
-                vis = vis & (e[None, :] > t[:, None] - WINDOW)
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+        # Tiles [mid_lo, mid_hi) lie inside every row's window (e(i) = i in [tmax - W + 1, tmin]) and
+        # skip the mask; padding rows see them too (q = 0 there: finite, and never stored).
+        mid_lo = hi
+        mid_hi = hi
+        if WINDOW > 0 and NSTEP == BLOCK_N:
+            mid_lo = tl.minimum(tl.maximum((tl.maximum(tmax - WINDOW + 1, 0) + NSTEP - 1) // NSTEP * NSTEP, lo), hi)
+            mid_hi = tl.maximum((tmin + 1) // NSTEP * NSTEP, mid_lo)
+        for n0 in range(lo, mid_lo, NSTEP):
+            m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                         scale_log2, DK, DV, BDK, BDV, NSTEP, STRIDE, OFFSET, WINDOW, PREC, True)
+        for n0 in range(mid_lo, mid_hi, NSTEP):
+            m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                         scale_log2, DK, DV, BDK, BDV, NSTEP, STRIDE, OFFSET, WINDOW, PREC, False)
+        for n0 in range(mid_hi, hi, NSTEP):
+            m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                         scale_log2, DK, DV, BDK, BDV, NSTEP, STRIDE, OFFSET, WINDOW, PREC, True)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -520,8 +558,9 @@ def _topn_kernel(
     indices, -1 padded (``sidx_b`` apart); row r sits at position t0 + r // H. Only columns < NBP are
     read: the launcher picks NBP >= the candidate count (t // L_SEL + 1) of every row. Each candidate
     gets the int64 key (float bits of its nonnegative score << 32) | (2^31 - 1 - j): distinct keys
-    ordered by score with ties to the lower index (forced blocks: the bits of +inf; non-candidates:
-    -1). N_SEL rounds of row max pick the winners, written in ascending order by their ranks."""
+    ordered by score with ties to the lower index (non-candidates: -1). The forced blocks outrank every
+    other candidate, so they are placed directly; rounds of row max over the other candidates pick the
+    rest; all are written in ascending order by their ranks."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     r = pid * RB + tl.arange(0, RB)
@@ -537,18 +576,27 @@ def _topn_kernel(
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
     cand = (j[None, :] <= last[:, None]) & (j < nb)[None, :]
     forced = cand & ((j[None, :] < N_INIT) | (j[None, :] > last[:, None] - N_LOCAL))
-    bits = tl.where(forced, 0x7F800000, bits)
-    key = (bits << 32) | (2147483647 - j).to(tl.int64)[None, :]
-    key = tl.where(cand, key, -1)
-    # N_SEL rounds: the row max is the next winner (keys are distinct); its index is in the low bits
     kk = tl.arange(0, NSP)
     big = 1 << 40
     win = big + kk[None, :].to(tl.int64) + tl.zeros([RB, NSP], tl.int64)  # distinct "no winner" values
-    for i in tl.static_range(N_SEL):
+    # The forced blocks win first (they hold the largest keys), so they are written directly: slots
+    # [0, ni) take the initial blocks, [ni, f) the local ones not already initial. Rows with f <
+    # N_INIT + N_LOCAL have only forced candidates, so N_SEL - N_INIT - N_LOCAL rounds of row max over
+    # the other candidates fill every row (NSAConfig guarantees n_sel >= n_init + n_local).
+    tl.static_assert(N_SEL >= N_INIT + N_LOCAL)
+    ni = tl.minimum(last + 1, N_INIT)
+    lo_loc = tl.maximum(last - N_LOCAL + 1, ni)
+    f = ni + (last + 1 - lo_loc)
+    kr = kk[None, :] + tl.zeros([RB, NSP], tl.int32)
+    win = tl.where(kr < ni[:, None], kr.to(tl.int64), win)
+    win = tl.where((kr >= ni[:, None]) & (kr < f[:, None]), (lo_loc[:, None] + kr - ni[:, None]).to(tl.int64), win)
+    key = (bits << 32) | (2147483647 - j).to(tl.int64)[None, :]
+    key = tl.where(cand & ~forced, key, -1)
+    for i in tl.static_range(N_SEL - N_INIT - N_LOCAL):
         mx = tl.max(key, 1)
-        key = tl.where(key == mx[:, None], -1, key)
-        jw = tl.where(mx >= 0, 2147483647 - (mx & 0xFFFFFFFF), big + i)
-        win = tl.where(kk[None, :] == i, jw[:, None], win)
+        key = tl.where(key == mx[:, None], -1, key)  # keys are distinct: one winner per round
+        jw = tl.where(mx >= 0, 2147483647 - (mx & 0xFFFFFFFF), big + f + i)
+        win = tl.where(kr == (f + i)[:, None], jw[:, None], win)
     # ascending order: each value's rank among the row's NSP distinct values; "no winner" ranks last
     rank = tl.sum((win[:, None, :] < win[:, :, None]).to(tl.int32), 2)
     out = IDX + b * sidx_b + r[:, None].to(tl.int64) * N_SEL

@@ -14,6 +14,7 @@ import triton
 from ._cmp_kernels import _bwd_dkdv_kernel, _bwd_dq_kernel, _fwd_kernel, _topn_kernel
 
 from . import _interp  # noqa: F401  (interpreter shim, applied on import)
+from .rowdot import row_dot
 
 LOG2E = 1.4426950408889634
 
@@ -23,14 +24,18 @@ LOG2E = 1.4426950408889634
 # backward at 64k: 47.7 ms; 49.5 with 16 shares; 56.4 at 64 rows / 4 warps; 71.1 unsplit).
 TUNE = {
     "cuda": dict(
-        rows=64, block_n=64, warps=4, stages=2, score_lo=True,
+        rows=64, block_n=64, warps=4, stages=2, score_lo=True, lse_n=128,
+        win_rows=64, win_block_n=64, win_warps=4, win_stages=2,
         bwd_rows=128, bwd_block_n=64, bwd_warps=8, bwd_stages=2, bwd_programs=4096, bwd_split_max=32,
     ),
     "cpu": dict(
-        rows=16, block_n=16, warps=4, stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1,
-        bwd_programs=8, bwd_split_max=4,
+        rows=16, block_n=16, warps=4, stages=1, lse_n=32, win_rows=16, win_block_n=16, win_warps=4, win_stages=1,
+        bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4,
     ),
 }
+# lse_n: keys per tile of the compressed forward's first pass (log-sum-exp only, no values); 128 took
+# the compressed forward at 64k from 23.4 to 22.6 ms (H200, bench_cmp_win.py --tune-fwd, 2026-11-21).
+# win_*: the sliding window's forward tiles (its own: no score tiles to hold).
 # score_lo: half inputs map p_cmp onto block scores (Eq. 9) with a tensor-core product of p as fp16
 # (relative rounding <= 2^-12 per term); True adds a second product with the fp16 remainder
 # (~2^-23). Measured on the H200 at 64k (2026-11-21): the compressed forward 23.2 ms without, 24.6 ms
@@ -39,8 +44,9 @@ TUNE = {
 # bwd_programs: the dk/dv kernel splits each key tile's query range into up to bwd_split_max shares
 # (float32 partials, summed after) until about this many programs run: at 64k the compressed branch
 # has only Tc/64 x H = 256 key tiles, too few to fill the GPU's SMs on their own.
-# Bytes the [B, chunk, H, nb] float32 block-score buffer of the compressed forward may take.
-SCORE_BUFFER_BYTES = 1 << 28
+# Bytes the [B, chunk, H, nb] float32 block-score buffer of the compressed forward may take: 1 GiB
+# holds T = 64k (H=4, l_sel=64) in one chunk, so one launch of the forward and one top-n per bucket.
+SCORE_BUFFER_BYTES = 1 << 30
 # Fill outputs with NaN before the kernels write them (tests set it: an unwritten element then fails).
 POISON = False
 
@@ -61,11 +67,12 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _geom(HQ, H, Dk, Dv, device, bwd=False):
+def _geom(HQ, H, Dk, Dv, device, kind="fwd"):
+    """kind: "fwd" (compressed forward), "win" (window forward) or "bwd" (both backwards)."""
     tune = TUNE["cuda" if device.type == "cuda" else "cpu"]
     G = HQ // H
     GP = _p2(G)
-    rows = tune["bwd_rows" if bwd else "rows"]
+    rows = tune[{"fwd": "rows", "win": "win_rows", "bwd": "bwd_rows"}[kind]]
     if max(Dk, Dv) > 128:
         rows = min(rows, 64)  # shared memory: 128 rows of Dk=192 (padded to 256) exceed the H200's 227 KB
     block_m = max(1, rows // GP)
@@ -78,10 +85,12 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
     chunk by chunk into top-n indices [B,Tq,H,n_sel]."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
-    geo, tune = _geom(HQ, H, Dk, Dv, q.device)
+    scores = config is not None
+    geo, tune = _geom(HQ, H, Dk, Dv, q.device, "fwd" if scores else "win")
     o = _out((B, Tq, HQ, Dv), q)
     lse = _out((B, HQ, Tq), q, torch.float32)
-    scores = config is not None
+    launch = dict(num_warps=tune["warps"], num_stages=tune["stages"]) if scores else \
+        dict(num_warps=tune["win_warps"], num_stages=tune["win_stages"])
     if scores:
         u = config.l_sel // config.d  # compressed tokens per selection block
         bj = max(1, tune["block_n"] // u)
@@ -102,13 +111,14 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             SCORE_LO=tune.get("score_lo", True),
         )
     else:
-        nstep = tune["block_n"]
+        nstep = tune["win_block_n"]
         chunk = max(Tq, 1)
         kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False)
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
         if scores:
-            sc = torch.zeros((B, c1 - c0, H, nb), device=q.device, dtype=torch.float32)
+            # every candidate block (j <= t // l_sel) of every row is written by the kernel: no memset
+            sc = _out((B, c1 - c0, H, nb), q, torch.float32)
         else:
             sc = lse  # unused
         grid = (triton.cdiv(c1 - c0, geo["BLOCK_M"]), B * H)
@@ -141,8 +151,8 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             WINDOW=window,
             SCORES=scores,
             PREC=_prec(q.dtype),
-            num_warps=tune["warps"],
-            num_stages=tune["stages"],
+            LSE_N=tune["lse_n"],
+            **launch,
             **kw,
         )
         if scores:
@@ -163,6 +173,9 @@ def topn_launch(sc, out, t0, nb, config):
     (t // l_sel + 1) fits the same power of two, and each range reads only that many columns: at 64k,
     about 2/3 of the score columns are never read (non-candidates of early rows)."""
     B, c, H = sc.shape[:3]
+    if c and (t0 + c - 1) // config.l_sel + 1 > nb:
+        raise ValueError(f"topn_launch: nb={nb} score columns, but position {t0 + c - 1} has "
+                         f"{(t0 + c - 1) // config.l_sel + 1} candidate blocks (need nb >= t // l_sel + 1)")
     p0 = 0
     while p0 < c:
         width = _p2(min(nb, (t0 + p0) // config.l_sel + 1))
@@ -224,9 +237,9 @@ def topn_blocks(scores, config, q_start):
 def _attn_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window):
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
-    geo, tune = _geom(HQ, H, Dk, Dv, q.device, bwd=True)
+    geo, tune = _geom(HQ, H, Dk, Dv, q.device, "bwd")
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]
+    delta = row_dot(do, o).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]: rowsum(dO * O)
     dq, dk, dv = _out(q.shape, q), _out(k.shape, k), _out(v.shape, v)
     common = dict(
         **geo,
