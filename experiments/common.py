@@ -363,6 +363,7 @@ class Result:
     failure: str | None = None                         # set: logged, then the run ends FAILED
     plot: tuple[str, str, str] | None = None           # (x column, y column, series column) for the sweep plot
     tags: dict[str, str] = field(default_factory=dict)  # notes set as run tags (e.g. a baseline skipped, and why)
+    texts: dict[str, str] = field(default_factory=dict)  # artifact path -> text (e.g. profiler tables), logged on the run
 
 
 def _output_dir() -> Path:
@@ -442,6 +443,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
         client.log_batch(rid, metrics=[Metric(k, float(v), now, job.seq) for k, v in ms.items()])
         for k, v in res.tags.items():
             client.set_tag(rid, k, v)
+        for path, text in res.texts.items():
+            client.log_text(rid, text, path)
         out = _output_dir()
         out.mkdir(parents=True, exist_ok=True)
         csv_path = out / f"{entry}.csv"

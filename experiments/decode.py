@@ -118,7 +118,7 @@ def work(job: common.Job) -> common.Result:
             forced = branch if v == "nsa" else v
 
             def step(forced=forced):
-                measure.core(forced, inp, c, job.plan, job.fallback)
+                measure.core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
 
             fn = measure.graph_step(step, dev) if graphs else step
             times[v] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))

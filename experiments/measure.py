@@ -38,12 +38,15 @@ class CoreInputs:
         return {n: getattr(self, n) for n in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")}
 
 
-def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None):
+def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None,
+         streams: bool = True):
     """NSA attention output ``[B,Tq,HQ,Dv]``. branch "none": all three branches with the gates
-    (``nsa.functional.nsa_attention``); "cmp"/"sel"/"win": that branch alone (one-hot gates)."""
+    (``nsa.functional.nsa_attention``, ``streams`` passed on); "cmp"/"sel"/"win": that branch alone
+    (one-hot gates)."""
     if branch == "none":
         return functional.nsa_attention(x.q, x.k_cmp, x.v_cmp, x.k_sel, x.v_sel, x.k_win, x.v_win, x.gates,
-                                        config, backend=dict(plan), q_start=x.q_start, fallback=fallback)
+                                        config, backend=dict(plan), q_start=x.q_start, fallback=fallback,
+                                        streams=streams)
     dev, dt = x.q.device, x.q.dtype
     scale = x.q.shape[-1] ** -0.5
     S = x.k_sel.shape[1]
@@ -171,6 +174,29 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 30) -> str:
+    """One call of ``fn`` (after one untimed call) under ``torch.profiler``: a table of the ops and
+    kernels by their own time on the device (CPU time on a CPU), so a user sees where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=acts) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    # torch >= 2.4 names the device columns "device"; 2.3 named them "cuda"
+    key = "self_cpu_time_total"
+    if cuda:
+        key = "self_device_time_total" if all(hasattr(e, "self_device_time_total") for e in events) \
+            else "self_cuda_time_total"
+    return events.table(sort_by=key, row_limit=rows)
 
 
 def quantiles(ms: list[float]) -> dict[str, float]:

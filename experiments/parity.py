@@ -18,7 +18,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from nsa import dispatch, reference
+from nsa import dispatch, functional, reference
 from nsa.backends.triton import poisoned_outputs
 
 from . import common
@@ -35,23 +35,25 @@ def estimate_bytes(job: common.Job) -> float:
     return float(B * S * per_token * 8 + 8 * reference._CHUNK_BYTES)
 
 
-def _forward(be, x, c, branch, idx_ref, scale, record):
-    """Output of the gated branches (or the forced one) with the given backends; idx: ref's."""
+def _forward(be, x, c, branch, idx_ref, scale, record, streams=False):
+    """Output of the gated branches (or the forced one) with the given backends; idx: ref's. All
+    branches: ``nsa.functional.gated_branches``, the path ``nsa_attention`` takes (its gated sum, and
+    on CUDA with ``streams`` the window on a second stream), with the reference's indices."""
     pick = (lambda b: dispatch.choose(b, be[b], x["q"].device, x["q"].dtype, None)) if record else \
         (lambda b: dispatch.get("reference"))
+    if branch == "none":
+        return functional.gated_branches(*(x[n] for n in TENSORS), c, {b: pick(b) for b in ("cmp", "sel", "win")},
+                                         scale=scale, streams=streams, indices=idx_ref)
     S = x["k_sel"].shape[1]
     outs, idx = {}, None
-    if branch in ("none", "cmp", "sel"):
+    if branch in ("cmp", "sel"):
         outs["cmp"], idx = pick("cmp").compressed(x["q"], x["k_cmp"], x["v_cmp"], c, scale=scale, q_start=0, n_keys=S)
-    if branch in ("none", "sel"):
+    if branch == "sel":
         outs["sel"] = pick("sel").selected(x["q"], x["k_sel"], x["v_sel"], idx_ref if idx_ref is not None else idx,
                                            c, scale=scale, q_start=0)
-    if branch in ("none", "win"):
+    if branch == "win":
         outs["win"] = pick("win").window(x["q"], x["k_win"], x["v_win"], c, scale=scale, q_start=0)
-    if branch != "none":
-        return outs[branch], idx
-    g = x["gates"].unsqueeze(-1)
-    return g[..., 0, :] * outs["cmp"] + g[..., 1, :] * outs["sel"] + g[..., 2, :] * outs["win"], idx
+    return outs[branch], idx
 
 
 def near_ties(ref, idx_ref, idx_test, c, scale, rel_tol, max_rows):
@@ -106,7 +108,8 @@ def work(job: common.Job) -> common.Result:
     # Triton kernels write into NaN-filled outputs here: an element they skip fails the comparison.
     poison = poisoned_outputs() if "triton" in job.plan.values() else contextlib.nullcontext()
     with poison:
-        o_test, idx_test = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True)
+        o_test, idx_test = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True,
+                                    streams=job.cfg.streams)
         o_test.backward(dout.to(dev, dt))
     common.say(f"[parity] seq={S}: forward and backward done, comparing {1 + len(TENSORS)} tensors")
 

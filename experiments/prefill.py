@@ -8,6 +8,8 @@ phi included), then detached: the timed work is attention only (``measure.core``
 dense baseline (SDPA, is_causal=True, grouped heads). Rows: ``nsa`` (all branches, or the forced one),
 ``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense`` (SDPA picks its
 kernel) and, on CUDA with prefill.dense_flash, ``dense_flash`` (SDPA forced to FlashAttention-2).
+With prefill.profile, one forward and one forward+backward of each NSA row run under torch.profiler:
+the tables (kernels by device time) are printed and logged on the run as ``profile/<row>_*.txt``.
 
 FLOPs count the matrix products over the keys each query really attends to (visible compressed
 tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. Forward+backward
@@ -65,9 +67,9 @@ def work(job: common.Job) -> common.Result:
         if v in ("dense", "dense_flash"):
             return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True,
                                            kernel="flash" if v == "dense_flash" else "auto")
-        return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback)
+        return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
 
-    times, rows, metrics = {}, [], {}
+    times, rows, metrics, texts = {}, [], {}, {}
     for i, v in enumerate(timed, 1):
         with torch.no_grad():
             fwd = measure.quantiles(measure.time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
@@ -83,6 +85,11 @@ def work(job: common.Job) -> common.Result:
             tq.update({f"fwd_bwd_{k}": x for k, x in
                        measure.quantiles(measure.time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
         times[v] = tq
+        if p.profile and v not in dense:
+            with torch.no_grad():
+                texts[f"profile/{v}_fwd.txt"] = measure.profile_table(lambda v=v: run(v), dev)
+            if p.backward:
+                texts[f"profile/{v}_fwd_bwd.txt"] = measure.profile_table(fwd_bwd, dev)
         common.say(f"[prefill] seq={S} [{i}/{len(timed)}] {v}: fwd p50 {tq['fwd_p50_ms']:.3f} ms"
                    + (f", fwd+bwd p50 {tq['fwd_bwd_p50_ms']:.3f} ms" if p.backward else ""))
 
@@ -111,7 +118,9 @@ def work(job: common.Job) -> common.Result:
         for k, x in row.items():
             if k.endswith(("_ms", "_flop", "_per_s", "_pct", "_x", "_per_group")):
                 metrics[f"{v}_{k}"] = x
-    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"), tags=tags)
+    for path, text in texts.items():
+        common.say(f"[prefill] seq={S} {path}:\n{text}")
+    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"), tags=tags, texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")

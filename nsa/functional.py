@@ -19,6 +19,7 @@ from .config import NSAConfig
 
 __all__ = [
     "nsa_attention",
+    "gated_branches",
     "compress",
     "compressed_attention",
     "selection_scores",
@@ -154,16 +155,32 @@ def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, 
     return be.window(q, k_win, v_win, config, scale=_scale(q, scale), q_start=q_start)
 
 
+# Queries (B * Tq) from which ``streams=True`` runs the sliding branch on a second CUDA stream: below
+# it, the stream fork/join costs more than the overlap gains (decode steps).
+STREAM_MIN_QUERIES = 1024
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    s = _SIDE_STREAMS.get(device)
+    if s is None:
+        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return s
+
+
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, scale=None,
                   backend: str | Mapping[str, str] = "reference", return_indices: bool = False,
-                  q_start: int = 0, fallback: str | None = None):
+                  q_start: int = 0, fallback: str | None = None, streams: bool = True):
     """NSA attention output (paper Eq. 5 summed over branches with gates, spec step 7).
 
     o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, with o_cmp over compressed keys k_cmp/v_cmp
     (``[B,Tc,H,*]``), o_sel over the top-n blocks chosen from the compressed probabilities
     (Eqs. 8-12) and o_win over the last w tokens. ``backend`` is a name or ``{branch: name}``;
     ``fallback`` names the backend to use where the chosen one cannot run (warned and recorded),
-    None to raise instead. Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
+    None to raise instead. ``streams``: on CUDA (from ``STREAM_MIN_QUERIES`` queries), the sliding
+    branch runs on a second stream, concurrently with the compressed scoring, top-n and selected
+    branch (it depends on none of them); its backward then runs on that stream too. The result is
+    the same either way. Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
     """
     _check_q(q, config)
     _check_q_start(q_start)
@@ -182,11 +199,33 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     if rec is not None:
         rec.calls += 1
 
-    o_cmp, idx = dispatch.choose("cmp", plan["cmp"], dev, dt, fallback).compressed(
-        q, k_cmp, v_cmp, config, scale=sc, q_start=q_start, n_keys=S)
-    be_sel = dispatch.choose("sel", plan["sel"], dev, dt, fallback)
-    o_sel = be_sel.selected(q, k_sel, v_sel, idx, config, scale=sc, q_start=q_start)
-    o_win = dispatch.choose("win", plan["win"], dev, dt, fallback).window(
-        q, k_win, v_win, config, scale=sc, q_start=q_start)
-    o = be_sel.combine(o_cmp, o_sel, o_win, gates)
+    backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback) for b in ("cmp", "sel", "win")}
+    o, idx = gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, backends, scale=sc,
+                            q_start=q_start, streams=streams)
     return (o, idx) if return_indices else o
+
+
+def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, backends, *, scale,
+                   q_start=0, streams=True, indices=None):
+    """The body of :func:`nsa_attention` on checked inputs and chosen backends ``{branch: Backend}``:
+    returns ``(o, indices of the compressed top-n)``. ``indices`` (optional) replaces the top-n's for
+    the selected branch: ``experiments.parity`` runs the backends under test on the reference's
+    indices, so that a near-tie does not move the outputs it compares."""
+    S = k_sel.shape[1]
+    dev = q.device
+    be_cmp, be_sel, be_win = backends["cmp"], backends["sel"], backends["win"]
+    side = None
+    if streams and dev.type == "cuda" and q.shape[0] * q.shape[1] >= STREAM_MIN_QUERIES:
+        main, side = torch.cuda.current_stream(dev), _side_stream(dev)
+        side.wait_stream(main)  # q, k_win, v_win are ready
+        with torch.cuda.stream(side):
+            o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
+    o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S)
+    o_sel = be_sel.selected(q, k_sel, v_sel, idx if indices is None else indices, config, scale=scale,
+                            q_start=q_start)
+    if side is None:
+        o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
+    else:
+        main.wait_stream(side)
+        o_win.record_stream(main)  # allocated on the side stream, read on this one
+    return be_sel.combine(o_cmp, o_sel, o_win, gates), idx

@@ -82,15 +82,15 @@ class NSAAttention(nn.Module):
     cache, x's tokens are appended at positions cache.length.. (a prefill chunk or decode steps)
     and attend to everything cached before them; the result equals prefill at those positions.
 
-    ``backend`` / ``fallback`` are passed to :func:`nsa.functional.nsa_attention`.
+    ``backend`` / ``fallback`` / ``streams`` are passed to :func:`nsa.functional.nsa_attention`.
     """
 
-    def __init__(self, config: NSAConfig, *, backend="reference", fallback: str | None = None):
+    def __init__(self, config: NSAConfig, *, backend="reference", fallback: str | None = None, streams: bool = True):
         super().__init__()
         c = self.config = config
         if c.d_k % 2:
             raise ValueError(f"NSAConfig.d_k={c.d_k}: must be even for RoPE (rotates pairs of dims)")
-        self.backend, self.fallback = backend, fallback
+        self.backend, self.fallback, self.streams = backend, fallback, streams
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=False)
         self.kv_proj = nn.ModuleDict({
@@ -165,7 +165,7 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp, keys = self._append(cache, x, kv)
         o = functional.nsa_attention(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"],
                                      keys["v_win"], gates, c, backend=self.backend, q_start=start,
-                                     fallback=self.fallback)
+                                     fallback=self.fallback, streams=self.streams)
         if cache is not None:
             cache.length = start + T
         return self.o_proj(o.reshape(B, T, c.n_heads * c.d_v))

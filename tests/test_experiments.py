@@ -82,7 +82,8 @@ def runs(tmp_path_factory, template_db):
         # A real per-job failure: the 256-token job's tensors exceed the memory guard, the 64 one fits.
         "failing": _start(tmp["failing"], "decode", "-m", "seq=64,256", "limits.max_memory_gib=0.0005",
                           "decode.per_branch=false", template=template_db),
-        "prefill": _start(tmp["prefill"], "prefill", "seq=48", "branch_force=sel", template=template_db),
+        "prefill": _start(tmp["prefill"], "prefill", "seq=48", "branch_force=sel", "prefill.profile=true",
+                          template=template_db),
         # Two parity jobs: default tolerances (passes), and one no float32 result can meet (fails).
         "parity": _start(tmp["parity"], "parity", "-m", "seq=64", "parity.tol.float32.max_abs=1e-5,1e-12",
                          template=template_db),
@@ -211,6 +212,10 @@ def test_prefill_forced_branch(runs):
     assert rs[0].info.status == "FINISHED"
     assert rs[0].data.tags["backends_ran"] == "cmp=reference,sel=reference"  # win skipped when sel is forced
     assert {"prefill.csv", "config.yaml", "environment.json"} <= _artifacts(c, rs[0].info.run_id)
+    # prefill.profile=true: one profiled forward and forward+backward of the NSA row, logged as tables
+    prof = {a.path for a in c.list_artifacts(rs[0].info.run_id, "profile")}
+    assert prof == {"profile/nsa_fwd.txt", "profile/nsa_fwd_bwd.txt"}
+    assert "profile/nsa_fwd_bwd.txt:" in _out + err and "Self CPU" in _out + err  # printed too
 
 
 def test_bad_configs_exit_with_one_line(runs):
