@@ -591,7 +591,8 @@ def _topn_kernel(
     win = tl.where(kr < ni[:, None], kr.to(tl.int64), win)
     win = tl.where((kr >= ni[:, None]) & (kr < f[:, None]), (lo_loc[:, None] + kr - ni[:, None]).to(tl.int64), win)
     key = (bits << 32) | (2147483647 - j).to(tl.int64)[None, :]
-    key = tl.where(cand & ~forced, key, -1)
+    free = cand & (j[None, :] >= N_INIT) & (j[None, :] <= last[:, None] - N_LOCAL)  # not forced (no ~: triton 3.0)
+    key = tl.where(free, key, -1)
     for i in tl.static_range(N_SEL - N_INIT - N_LOCAL):
         mx = tl.max(key, 1)
         key = tl.where(key == mx[:, None], -1, key)  # keys are distinct: one winner per round
