@@ -575,7 +575,6 @@ def _topn_kernel(
     )
     bits = s.to(tl.int32, bitcast=True).to(tl.int64)
     cand = (j[None, :] <= last[:, None]) & (j < nb)[None, :]
-    forced = cand & ((j[None, :] < N_INIT) | (j[None, :] > last[:, None] - N_LOCAL))
     kk = tl.arange(0, NSP)
     big = 1 << 40
     win = big + kk[None, :].to(tl.int64) + tl.zeros([RB, NSP], tl.int64)  # distinct "no winner" values
