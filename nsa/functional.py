@@ -155,8 +155,8 @@ def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, 
     return be.window(q, k_win, v_win, config, scale=_scale(q, scale), q_start=q_start)
 
 
-# Queries (B * Tq) from which ``streams=True`` runs the sliding branch on a second CUDA stream: below
-# it, the stream fork/join costs more than the overlap gains (decode steps).
+# Queries (B * Tq) from which ``streams=True`` runs the sliding branch on a second CUDA stream; smaller
+# calls (decode steps) stay on one stream: their kernels are too short to overlap.
 STREAM_MIN_QUERIES = 1024
 _SIDE_STREAMS: dict = {}
 
