@@ -61,6 +61,16 @@ def _load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ: tl.constexpr, Tq):
 
 
 @triton.jit
+def _visible(e, col_ok, t, row_ok, WINDOW: tl.constexpr):
+    """[rows, keys] visibility: the key ending at raw position e is seen by the row at position t iff
+    e <= t (and e > t - WINDOW with a window); row_ok / col_ok mask padding rows and columns."""
+    vis = row_ok[:, None] & col_ok[None, :] & (e[None, :] <= t[:, None])
+    if WINDOW > 0:
+        vis = vis & (e[None, :] > t[:, None] - WINDOW)
+    return vis
+
+
+@triton.jit
 def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
               NSTEP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
               MASKED: tl.constexpr):
@@ -69,7 +79,7 @@ def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: t
     k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
+        vis = _visible(n * STRIDE + OFFSET, (nn < NSTEP) & (n < N), t, row_ok, 0)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -89,10 +99,7 @@ def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, 
     v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        e = n * STRIDE + OFFSET
-        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        vis = _visible(n * STRIDE + OFFSET, (nn < NSTEP) & (n < N), t, row_ok, WINDOW)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -143,7 +150,7 @@ def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, c
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     p = tl.exp2(s - lse[:, None])
     if MASKED:
-        vis = row_ok[:, None] & ((nn < NSTEP) & (n < N))[None, :] & ((n * STRIDE + OFFSET)[None, :] <= t[:, None])
+        vis = _visible(n * STRIDE + OFFSET, (nn < NSTEP) & (n < N), t, row_ok, 0)
         p = tl.where(vis, p, 0.0)
     acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
     j0 = (n0 // NSTEP) * BJ
@@ -404,10 +411,7 @@ def _bwd_dq_kernel(
         k = _load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
         v = _load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        e = n * STRIDE + OFFSET
-        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        vis = _visible(n * STRIDE + OFFSET, n_ok, t, row_ok, WINDOW)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
@@ -512,9 +516,7 @@ def _bwd_dkdv_kernel(
         do = _load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
         lse, delta = _load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        vis = row_ok[:, None] & n_ok[None, :] & (e[None, :] <= t[:, None])
-        if WINDOW > 0:
-            vis = vis & (e[None, :] > t[:, None] - WINDOW)
+        vis = _visible(e, n_ok, t, row_ok, WINDOW)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
