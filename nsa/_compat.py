@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import re
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +38,10 @@ def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> tor
 
 def triton_version() -> tuple[int, int]:
     """(major, minor) of the installed triton; (0, 0) when it is not installed."""
-    try:
-        import triton
-    except ImportError:
-        return (0, 0)
-    parts = re.findall(r"\d+", triton.__version__)[:2]
-    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+    from .toolchain import installed_versions, parse_version
+
+    version = installed_versions()[1]
+    return parse_version(version) if version else (0, 0)
 
 
 __all__ = ["SDPA_ENABLE_GQA", "sdpa_gqa", "triton_version"]
