@@ -7,6 +7,7 @@ The selected branch still runs the compressed scoring that picks its blocks (spe
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -124,15 +125,15 @@ def dense_attention(q, k, v, causal: bool, kernel: str = "auto"):
     query is not causal-masked (is_causal aligns top-left: one query would see one key).
     ``kernel``: "auto" lets PyTorch pick (cuDNN attention on an H200 with torch 2.11), "flash" forces
     its FlashAttention-2 kernel (``SDPBackend.FLASH_ATTENTION``; an error where it cannot run)."""
-    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    if kernel == "auto":
-        return sdpa_gqa(*args, is_causal=causal).transpose(1, 2)
-    if kernel != "flash":
+    if kernel not in ("auto", "flash"):
         raise ValueError(f"kernel={kernel!r}: one of auto, flash")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    pick = contextlib.nullcontext()
+    if kernel == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return sdpa_gqa(*args, is_causal=causal).transpose(1, 2)
+        pick = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    with pick:
+        return sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------------
