@@ -129,8 +129,8 @@ def test_compressed_fp32_forward_indices_and_grads(case):
 @pytest.mark.parametrize("score_lo", [True, False])
 @pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 3, 4)], ids=[CMP_IDS[i] for i in (0, 3, 4)])
 def test_compressed_fp16_forward(case, score_lo, monkeypatch):
-    """Half inputs take the tensor-core score path: p as fp16 (score_lo=False, the CUDA default) or
-    fp16 plus its fp16 remainder (score_lo=True)."""
+    """Half inputs take the tensor-core score path: p as fp16 (score_lo=False) or fp16 plus its fp16
+    remainder (score_lo=True, the CUDA default)."""
     monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
     cfg, qs, q, k, v = cmp_inputs(case, torch.float16, seed=3)
     o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
