@@ -247,6 +247,35 @@ def parts(res, T=65536):
     print("parts", res["parts"], flush=True)
 
 
+# top-n launch variants: (score elements per program, warps); the first is the default
+TOPN_VARIANTS = ((1024, 1), (2048, 1), (4096, 1), (512, 1), (2048, 2), (4096, 2), (2048, 4))
+
+
+def tune_topn(res, T=65536):
+    """The whole top-n of a T-row forward (all bucket launches over one [1, T, 4, nb] score buffer, as
+    ``_attn_forward`` runs it when T fits one chunk), per launch variant, checked against
+    ``reference.select_blocks``."""
+    cfg = cfg_for()
+    nb = cfg.n_blocks(T)
+    sc = torch.rand(1, T, 4, nb, device=DEV)
+    out = torch.empty(1, T, 4, cfg.n_sel, device=DEV, dtype=torch.int64)
+    ref = reference.select_blocks(sc, cfg, q_start=0)
+    base = dict(_cmp_ops.TUNE["cuda"])
+    for elems, warps in TOPN_VARIANTS:
+        _cmp_ops.TUNE["cuda"].update(topn_elems=elems, topn_warps=warps)
+        entry = dict(T=T, topn_elems=elems, topn_warps=warps)
+        try:
+            out.fill_(-7)
+            _cmp_ops.topn_launch(sc, out, 0, nb, cfg)
+            entry["equal_reference"] = bool((out == ref).all())
+            entry["topn_ms"] = bench(lambda: _cmp_ops.topn_launch(sc, out, 0, nb, cfg))
+        except Exception as e:  # noqa: BLE001
+            entry["error"] = f"{type(e).__name__}: {e}"[:300]
+        res["tune_topn"].append(entry)
+        print("tune_topn", entry, flush=True)
+    _cmp_ops.TUNE["cuda"].update(base)
+
+
 def tune_sweep(res, T=65536, fwd=True, bwd=True):
     """Tile variants of the Triton cmp/win kernels at one T (rows per program, keys per tile, warps,
     stages; forward, then backward)."""
@@ -314,6 +343,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the tile sweep")
     ap.add_argument("--tune-bwd", action="store_true", help="only the backward part of the tile sweep")
     ap.add_argument("--tune-fwd", action="store_true", help="only the forward part of the tile sweep")
+    ap.add_argument("--tune-topn", action="store_true", help="only the top-n launch sweep (TOPN_VARIANTS) at 64k")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     res = dict(
@@ -328,15 +358,19 @@ def main():
         times=[],
         tune_fwd=[],
         tune_bwd=[],
+        tune_topn=[],
     )
     path = os.path.join(a.out, "cmp_win.json")
     t0 = time.time()
-    for stage, fn in (
+    stages = (
         ("check", lambda: check(res)),
         ("parts", lambda: parts(res)),
         ("times", lambda: timings(res, [int(t) for t in a.T.split(",")])),
         ("tune", (lambda: None) if a.quick else (lambda: tune_sweep(res, fwd=not a.tune_bwd, bwd=not a.tune_fwd))),
-    ):
+    )
+    if a.tune_topn:
+        stages = (("tune_topn", lambda: tune_topn(res)),)
+    for stage, fn in stages:
         try:
             fn()
         except Exception as e:  # noqa: BLE001

@@ -44,7 +44,8 @@ def _poison(monkeypatch):
         "cpu",
         # lse_n != block_n and win_rows != rows: pass 1 and the window use their own tiles
         dict(rows=16, block_n=16, warps=4, stages=1, lse_n=32, win_rows=32, win_block_n=16, win_warps=4,
-             win_stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4),
+             win_stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4,
+             topn_elems=64, topn_warps=2),  # top-n: 4 to 64 rows per program at these widths
     )
 
 
@@ -127,10 +128,11 @@ def test_compressed_fp32_forward_indices_and_grads(case):
 
 
 @pytest.mark.parametrize("score_lo", [True, False])
-@pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 3, 4)], ids=[CMP_IDS[i] for i in (0, 3, 4)])
+@pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 3, 4, 5, 6, 8)], ids=[CMP_IDS[i] for i in (0, 3, 4, 5, 6, 8)])
 def test_compressed_fp16_forward(case, score_lo, monkeypatch):
     """Half inputs take the tensor-core score path: p as fp16 (score_lo=False) or fp16 plus its fp16
-    remainder (score_lo=True, the CUDA default)."""
+    remainder (score_lo=True, the CUDA default); the mass past a tile's end (the blocks its last keys
+    reach: none with l = d, two with l - d > l_sel) in float32."""
     monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
     cfg, qs, q, k, v = cmp_inputs(case, torch.float16, seed=3)
     o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
@@ -138,6 +140,31 @@ def test_compressed_fp16_forward(case, score_lo, monkeypatch):
     assert o.dtype == torch.float16
     close(o, ro, 4e-3)
     assert torch.equal(idx, ridx)  # these inputs have no near-ties; fp16 products are exact in fp32
+
+
+@pytest.mark.parametrize("dtype,score_lo,tol", [(torch.float32, True, 1e-5), (torch.float16, True, 1e-5),
+                                                (torch.float16, False, 1e-3)], ids=["fp32", "fp16-lo", "fp16"])
+@pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 4, 5, 6, 8)], ids=[CMP_IDS[i] for i in (0, 4, 5, 6, 8)])
+def test_block_scores_match_reference(case, dtype, score_lo, tol, monkeypatch):
+    """The kernel's Eq. 9/10 block scores themselves (the buffer the top-n reads), every candidate
+    block j <= t // l_sel, against ``reference.selection_scores`` in float64 on the same inputs:
+    main blocks, the mass carried past each tile's end, the last tile's carry."""
+    monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
+    cfg, qs, q, k, v = cmp_inputs(case, dtype, seed=13)
+    got = []
+    real = _cmp_ops.topn_launch
+    monkeypatch.setattr(_cmp_ops, "topn_launch", lambda sc, *a: got.append(sc.clone()) or real(sc, *a))
+    compressed_branch(q, k, v, cfg, q_start=qs)
+    Tq = q.shape[1]
+    nb = cfg.n_blocks(qs + Tq)
+    _, p = reference.compressed_attention(q.double(), k.double(), v.double(), cfg, q_start=qs)
+    ref = reference.selection_scores(p, cfg, nb)
+    sc = torch.cat(got, 1).double()
+    cand = torch.arange(nb)[None, :] <= ((qs + torch.arange(Tq)) // cfg.l_sel)[:, None]  # [Tq, nb]
+    cand = cand[None, :, None, :].expand_as(ref)
+    assert sc.shape == ref.shape and not torch.isnan(sc[cand]).any()
+    err = (sc - ref).abs()[cand].max().item()
+    assert err <= tol * max(1.0, ref.abs().max().item()), err
 
 
 def test_compressed_fp16_grads():
@@ -205,6 +232,38 @@ def test_compressed_chunked_score_buffer(monkeypatch):
     ro, ridx = reference.compressed_branch(q, k, v, cfg, q_start=qs)
     close(o, ro, 1e-5)
     assert torch.equal(idx, ridx)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_on_scored_runs_once_before_the_last_top_n(monkeypatch, chunked):
+    """``on_scored`` (where nsa.functional starts the side stream's window) fires once, after every
+    attention/scoring kernel and before the last chunk's top-n; the result is unchanged. The
+    reference backend calls it at the end."""
+    from nsa import dispatch
+
+    cfg, qs, q, k, v = cmp_inputs(CMP_CASES[4], torch.float32, seed=7)
+    if chunked:
+        monkeypatch.setattr(_cmp_ops, "SCORE_BUFFER_BYTES", 4 * 20 * 16)  # 16 rows of 20 blocks: 4 chunks
+    log = []
+    real_fwd, real_topn = _cmp_ops._fwd_kernel, _cmp_ops.topn_launch
+
+    class Spy:  # records each launch of the attention/scoring kernel
+        def __getitem__(self, grid):
+            return lambda *a, **kw: log.append("kernel") or real_fwd[grid](*a, **kw)
+
+    monkeypatch.setattr(_cmp_ops, "_fwd_kernel", Spy())
+    monkeypatch.setattr(_cmp_ops, "topn_launch", lambda *a: log.append("topn") or real_topn(*a))
+    o, idx = compressed_branch(q, k, v, cfg, q_start=qs, on_scored=lambda: log.append("scored"))
+    assert log.count("scored") == 1 and log[-1] == "topn" and log[-2] == "scored"
+    assert log.count("kernel") == (4 if chunked else 1) and log.index("scored") > max(
+        i for i, e in enumerate(log) if e == "kernel")
+    ro, ridx = reference.compressed_branch(q, k, v, cfg, q_start=qs)
+    close(o, ro, 1e-5)
+    assert torch.equal(idx, ridx)
+    calls = []
+    dispatch.get("reference").compressed(q, k, v, cfg, scale=cfg.d_k ** -0.5, q_start=qs, n_keys=qs + q.shape[1],
+                                         on_scored=lambda: calls.append(1))
+    assert calls == [1]
 
 
 def test_compressed_n_keys_beyond_queries():

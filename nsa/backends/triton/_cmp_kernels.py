@@ -115,19 +115,17 @@ def _eq9_weights(nn, cc, NSTEP: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.con
                  BJ: tl.constexpr, BJP: tl.constexpr, SCORE_DOT: tl.constexpr):
     """Eq. 9 weights W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d of a tile's tokens ii onto its
     blocks: the same for every tile (tile n0 starts at token n0*d = block j0*l_sel, NSTEP*d = BJ*l_sel),
-    so they are built once per program. SCORE_DOT: [BLOCK_N, 2*BJP] fp16, columns interleaved [main c,
-    spill c] (spill: block BJ+c, carried to the next tile); else (main [BLOCK_N, BJP], spill) fp32."""
+    so they are built once per program. SCORE_DOT: [BLOCK_N, BJP] fp16 onto the tile's own blocks
+    (small integers: exact; the spill past its end is summed in float32 by ``_spill``); else
+    (main [BLOCK_N, BJP], spill onto blocks BJ + c) fp32."""
     i_lo = nn * D_CMP
     i_ok = nn < NSTEP
+    j_lo = cc * L_SEL
+    w_a = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
     if SCORE_DOT:
-        c2 = tl.arange(0, 2 * BJP)
-        jl = (c2 // 2 + (c2 % 2) * BJ) * L_SEL
-        w_a = tl.minimum(i_lo[:, None] + L_CMP, jl[None, :] + L_SEL) - tl.maximum(i_lo[:, None], jl[None, :])
-        w_a = tl.where(i_ok[:, None], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float16)  # small integers: exact
+        w_a = tl.where(i_ok[:, None] & (cc < BJ)[None, :], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float16)
         w_b = w_a
     else:
-        j_lo = cc * L_SEL
-        w_a = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
         w_a = tl.where(i_ok[:, None], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float32)
         j_lo2 = j_lo + BJ * L_SEL
         w_b = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo2[None, :])
@@ -136,11 +134,27 @@ def _eq9_weights(nn, cc, NSTEP: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.con
 
 
 @triton.jit
+def _spill(p, nn, cc, carry, BLOCK_M: tl.constexpr, GP: tl.constexpr, NSTEP: tl.constexpr, D_CMP: tl.constexpr,
+           L_CMP: tl.constexpr, L_SEL: tl.constexpr, BJ: tl.constexpr, SPILL_W: tl.constexpr):
+    """The tile's Eq. 9/10 mass on blocks BJ .. BJ+SPILL_W-1 (past its end: the tokens of its last keys
+    reach into them), summed over the group in float32: column c of the returned carry."""
+    i_lo = nn * D_CMP
+    for c in tl.static_range(SPILL_W):
+        jl = (BJ + c) * L_SEL
+        w = tl.minimum(i_lo + L_CMP, jl + L_SEL) - tl.maximum(i_lo, jl)
+        w = tl.where(nn < NSTEP, tl.maximum(w, 0) // D_CMP, 0).to(tl.float32)
+        sp = tl.sum(tl.reshape(tl.sum(p * w[None, :], 1), [BLOCK_M, GP]), 1)  # [BLOCK_M]
+        carry = tl.where(cc[None, :] == c, sp[:, None], carry)
+    return carry
+
+
+@triton.jit
 def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b, sc_row, sc_row_ok,
                 cc, nb, scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                 BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
-                SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, MASKED: tl.constexpr):
+                SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, MASKED: tl.constexpr, D_CMP: tl.constexpr,
+                L_CMP: tl.constexpr, L_SEL: tl.constexpr, SPILL_W: tl.constexpr):
     """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v, and the Eq. 9/10 block
     scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile).
     (w_a, w_b): the tile's Eq. 9 weights from ``_eq9_weights``."""
@@ -156,17 +170,17 @@ def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, c
     j0 = (n0 // NSTEP) * BJ
     if SCORE_DOT:
         # Tensor-core path (half inputs): p*2^14 as fp16 (plus, with SCORE_LO, its fp16 remainder) times
-        # the fp16 weights, Eq. 10 group sum on the [R, 2*BJP] product.
+        # the fp16 weights onto the tile's blocks, Eq. 10 group sum on the [R, BJP] product; the mass
+        # past the tile's end (its last keys' tokens) in float32, carried to the next tile.
         ps = p * 16384.0
         p_hi = ps.to(tl.float16)
         cw = tl.dot(p_hi, w_a)
         if SCORE_LO:
             p_lo = (ps - p_hi.to(tl.float32)).to(tl.float16)
             cw += tl.dot(p_lo, w_a)
-        cw = tl.sum(tl.reshape(cw, [BLOCK_M, GP, 2 * BJP]), 1) * (1.0 / 16384.0)
-        main, spill = tl.split(tl.reshape(cw, [BLOCK_M, BJP, 2]))
-        blk = main + carry
-        carry = spill
+        blk = tl.sum(tl.reshape(cw, [BLOCK_M, GP, BJP]), 1) * (1.0 / 16384.0) + carry
+        carry = _spill(p, nn, cc, tl.zeros([BLOCK_M, BJP], tl.float32), BLOCK_M, GP, NSTEP, D_CMP, L_CMP, L_SEL,
+                       BJ, SPILL_W)
     else:
         pg = tl.sum(tl.reshape(p, [BLOCK_M, GP, BLOCK_N]), 1)  # Eq. 10: sum over the group
         blk = tl.sum(pg[:, :, None] * w_a[None, :, :], 1) + carry
@@ -230,6 +244,7 @@ def _fwd_kernel(
     SCORE_DOT: tl.constexpr,
     SCORE_LO: tl.constexpr,
     LSE_N: tl.constexpr,
+    SPILL_W: tl.constexpr,
 ):
     R: tl.constexpr = BLOCK_M * GP
     pid_m = tl.program_id(0)
@@ -294,11 +309,13 @@ def _fwd_kernel(
         for n0 in range(0, n_full, NSTEP):
             acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
                                      sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
-                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False)
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False,
+                                     D_CMP, L_CMP, L_SEL, SPILL_W)
         for n0 in range(n_full, hi, NSTEP):
             acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
                                      sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
-                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True)
+                                     BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True,
+                                     D_CMP, L_CMP, L_SEL, SPILL_W)
         j_end = tl.cdiv(hi, NSTEP) * BJ
         j = j_end + cc
         tl.store(sc_row + j[None, :], carry, mask=sc_row_ok[:, None] & (j < nb)[None, :])
@@ -554,52 +571,69 @@ def _topn_kernel(
     N_LOCAL: tl.constexpr,
     L_SEL: tl.constexpr,
     RB: tl.constexpr,
+    SEG: tl.constexpr,
 ):
     """Eqs. 11-12 with forcing. Batch b = program_id(1); its rows r = (position, head) of a
     [rows, nb] float32 score slice (``ssc_b`` elements apart per batch) -> [rows, N_SEL] ascending
     indices, -1 padded (``sidx_b`` apart); row r sits at position t0 + r // H. Only columns < NBP are
-    read: the launcher picks NBP >= the candidate count (t // L_SEL + 1) of every row. Each candidate
-    gets the int64 key (float bits of its nonnegative score << 32) | (2^31 - 1 - j): distinct keys
-    ordered by score with ties to the lower index (non-candidates: -1). The forced blocks outrank every
-    other candidate, so they are placed directly; rounds of row max over the other candidates pick the
-    rest; all are written in ascending order by their ranks."""
+    read: the launcher picks NBP >= the candidate count (t // L_SEL + 1) of every row. Order of
+    ``reference.select_blocks``: by score, ties to the lower index.
+
+    The forced blocks outrank every other candidate, so they are placed directly. The others are
+    picked in rounds over a two-level view of the row: the maxima of its NBP / SEG segments of SEG
+    columns are taken once; each round takes the largest segment maximum (the lowest segment among
+    equal ones), reloads that segment (SEG scores, cached), masks what earlier rounds took there (a
+    bit per column), picks the lowest column holding the maximum, and updates that segment's maximum.
+    So a round costs O(NBP / SEG + SEG), not O(NBP). All are written in ascending order by rank."""
+    NSEG: tl.constexpr = NBP // SEG
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     r = pid * RB + tl.arange(0, RB)
     r_ok = r < n_rows
     t = t0 + r // H
     last = t // L_SEL
+    row = SC + b * ssc_b + r.to(tl.int64) * nb  # [RB] row pointers
     j = tl.arange(0, NBP)
-    s = tl.load(
-        SC + b * ssc_b + r[:, None].to(tl.int64) * nb + j[None, :],
-        mask=r_ok[:, None] & (j < nb)[None, :],
-        other=0.0,
-    )
-    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-    cand = (j[None, :] <= last[:, None]) & (j < nb)[None, :]
+    s = tl.load(row[:, None] + j[None, :], mask=r_ok[:, None] & (j < nb)[None, :], other=0.0)
     kk = tl.arange(0, NSP)
-    big = 1 << 40
-    win = big + kk[None, :].to(tl.int64) + tl.zeros([RB, NSP], tl.int64)  # distinct "no winner" values
-    # The forced blocks win first (they hold the largest keys), so they are written directly: slots
-    # [0, ni) take the initial blocks, [ni, f) the local ones not already initial. Rows with f <
-    # N_INIT + N_LOCAL have only forced candidates, so N_SEL - N_INIT - N_LOCAL rounds of row max over
-    # the other candidates fill every row (NSAConfig guarantees n_sel >= n_init + n_local).
+    big = 1 << 30  # above every block index (nb < 2^30)
+    win = big + kk[None, :] + tl.zeros([RB, NSP], tl.int32)  # distinct "no winner" values
+    # The forced blocks win first, so they are written directly: slots [0, ni) take the initial
+    # blocks, [ni, f) the local ones not already initial. Rows with f < N_INIT + N_LOCAL have only
+    # forced candidates, so N_SEL - N_INIT - N_LOCAL rounds over the other candidates fill every row
+    # (NSAConfig guarantees n_sel >= n_init + n_local).
     tl.static_assert(N_SEL >= N_INIT + N_LOCAL)
     ni = tl.minimum(last + 1, N_INIT)
     lo_loc = tl.maximum(last - N_LOCAL + 1, ni)
     f = ni + (last + 1 - lo_loc)
     kr = kk[None, :] + tl.zeros([RB, NSP], tl.int32)
-    win = tl.where(kr < ni[:, None], kr.to(tl.int64), win)
-    win = tl.where((kr >= ni[:, None]) & (kr < f[:, None]), (lo_loc[:, None] + kr - ni[:, None]).to(tl.int64), win)
-    key = (bits << 32) | (2147483647 - j).to(tl.int64)[None, :]
-    free = cand & (j[None, :] >= N_INIT) & (j[None, :] <= last[:, None] - N_LOCAL)  # not forced (no ~: triton 3.0)
-    key = tl.where(free, key, -1)
+    win = tl.where(kr < ni[:, None], kr, win)
+    win = tl.where((kr >= ni[:, None]) & (kr < f[:, None]), lo_loc[:, None] + kr - ni[:, None], win)
+    # free: a candidate (j <= t // l_sel, j < nb) that is not forced (no ~: triton 3.0)
+    free = (j[None, :] < nb) & (j[None, :] >= N_INIT) & (j[None, :] <= last[:, None] - N_LOCAL)
+    s = tl.where(free, s, -1.0)  # scores are >= 0: -1 marks "not a free candidate" (or already taken)
+    smax = tl.max(tl.reshape(s, [RB, NSEG, SEG]), 2)  # [RB, NSEG]
+    sg_i = tl.arange(0, NSEG)
+    sl = tl.arange(0, SEG)
+    taken = tl.zeros([RB, NSEG], tl.int32)  # bit c of segment g: column g*SEG + c already picked
     for i in tl.static_range(N_SEL - N_INIT - N_LOCAL):
-        mx = tl.max(key, 1)
-        key = tl.where(key == mx[:, None], -1, key)  # keys are distinct: one winner per round
-        jw = tl.where(mx >= 0, 2147483647 - (mx & 0xFFFFFFFF), big + f + i)
+        mx = tl.max(smax, 1)
+        sg = tl.min(tl.where(smax == mx[:, None], sg_i[None, :], NSEG), 1)  # ties: the lower segment
+        sg = tl.minimum(sg, NSEG - 1)
+        jj = sg[:, None] * SEG + sl[None, :]  # [RB, SEG] columns of that segment
+        seg = tl.load(row[:, None] + jj, mask=r_ok[:, None] & (jj < nb), other=-1.0)
+        bits = tl.sum(tl.where(sg_i[None, :] == sg[:, None], taken, 0), 1)
+        ok = (jj < nb) & (jj >= N_INIT) & (jj <= last[:, None] - N_LOCAL) & (((bits[:, None] >> sl[None, :]) & 1) == 0)
+        seg = tl.where(ok, seg, -1.0)
+        jl = tl.min(tl.where(seg == mx[:, None], sl[None, :], SEG), 1)  # ties: the lower column
+        jl = tl.minimum(jl, SEG - 1)
+        seg = tl.where(sl[None, :] == jl[:, None], -1.0, seg)
+        hit = sg_i[None, :] == sg[:, None]
+        smax = tl.where(hit, tl.max(seg, 1)[:, None], smax)
+        taken = tl.where(hit, taken | (1 << jl)[:, None], taken)
+        jw = tl.where(mx >= 0, sg * SEG + jl, big + f + i)
         win = tl.where(kr == (f + i)[:, None], jw[:, None], win)
     # ascending order: each value's rank among the row's NSP distinct values; "no winner" ranks last
     rank = tl.sum((win[:, None, :] < win[:, :, None]).to(tl.int32), 2)
     out = IDX + b * sidx_b + r[:, None].to(tl.int64) * N_SEL
-    tl.store(out + rank, tl.where(win >= big, -1, win), mask=(rank < N_SEL) & r_ok[:, None])
+    tl.store(out + rank, tl.where(win >= big, -1, win).to(tl.int64), mask=(rank < N_SEL) & r_ok[:, None])

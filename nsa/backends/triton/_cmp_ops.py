@@ -25,17 +25,24 @@ LOG2E = 1.4426950408889634
 TUNE = {
     "cuda": dict(
         rows=64, block_n=64, warps=4, stages=2, score_lo=True, lse_n=128,
-        win_rows=64, win_block_n=64, win_warps=4, win_stages=2,
+        win_rows=128, win_block_n=64, win_warps=8, win_stages=2, win_maxnreg=128,
         bwd_rows=128, bwd_block_n=64, bwd_warps=8, bwd_stages=2, bwd_programs=4096, bwd_split_max=32,
+        topn_elems=1024, topn_warps=1,
     ),
     "cpu": dict(
-        rows=16, block_n=16, warps=4, stages=1, lse_n=32, win_rows=16, win_block_n=16, win_warps=4, win_stages=1,
+        rows=16, block_n=16, warps=4, stages=1, lse_n=32,
+        win_rows=16, win_block_n=16, win_warps=4, win_stages=1,
         bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4,
+        topn_elems=2048, topn_warps=4,
     ),
 }
 # lse_n: keys per tile of the compressed forward's first pass (log-sum-exp only, no values); 128 took
 # the compressed forward at 64k from 23.4 to 22.6 ms (H200, bench_cmp_win.py --tune-fwd, 2026-11-21).
-# win_*: the sliding window's forward tiles (its own: no score tiles to hold).
+# win_*: the sliding window's forward tiles (its own: no score tiles to hold). 128 rows / 8 warps with
+# registers capped at 128 per thread (two programs of 8 warps per SM instead of two of 4; 12 bytes of
+# spill): the whole forward at 64k 0.25-0.35 ms faster than 64 rows / 4 warps in the same runs (H200,
+# bench_layer_fwd.py --tune, 2026-11-21 19:10-19:12). Without the cap 128 rows / 8 warps was slower.
+# maxnreg / win_maxnreg (optional): that register cap for the compressed / window forward.
 # score_lo: half inputs map p_cmp onto block scores (Eq. 9) with a tensor-core product of p as fp16
 # (relative rounding <= 2^-12 per term); True adds a second product with the fp16 remainder
 # (~2^-23). Measured on the H200 at 64k (2026-11-21): the compressed forward 23.2 ms without, 24.6 ms
@@ -80,17 +87,34 @@ def _geom(HQ, H, Dk, Dv, device, kind="fwd"):
     return geo, tune  # geo: the shape constexprs every kernel of _cmp_kernels takes
 
 
-def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=None, n_blocks=0):
+def fwd_launch(tune, scores, rows):
+    """Launch options of the forward kernel: compressed (``scores``) or window; ``rows`` per program
+    as ``_geom`` set them. The window's warps and register cap go with win_rows: where large head dims
+    cap the rows below it, the window launches with 4 warps and no cap."""
+    if scores:
+        launch = dict(num_warps=tune["warps"], num_stages=tune["stages"])
+        cap = tune.get("maxnreg")
+    elif rows < tune["win_rows"]:
+        return dict(num_warps=4, num_stages=tune["win_stages"])
+    else:
+        launch = dict(num_warps=tune["win_warps"], num_stages=tune["win_stages"])
+        cap = tune.get("win_maxnreg")
+    if cap:  # registers per thread (ptxas .maxnreg): more programs per SM
+        launch["maxnreg"] = cap
+    return launch
+
+
+def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=None, n_blocks=0, on_scored=None):
     """o [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2), and with ``config`` the block scores consumed
-    chunk by chunk into top-n indices [B,Tq,H,n_sel]."""
+    chunk by chunk into top-n indices [B,Tq,H,n_sel]. ``on_scored()`` (optional) is called once the
+    last chunk's attention and scoring kernel is queued, before its top-n."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     scores = config is not None
     geo, tune = _geom(HQ, H, Dk, Dv, q.device, "fwd" if scores else "win")
     o = _out((B, Tq, HQ, Dv), q)
     lse = _out((B, HQ, Tq), q, torch.float32)
-    launch = dict(num_warps=tune["warps"], num_stages=tune["stages"]) if scores else \
-        dict(num_warps=tune["win_warps"], num_stages=tune["win_stages"])
+    launch = fwd_launch(tune, scores, geo["BLOCK_M"] * geo["GP"])
     if scores:
         u = config.l_sel // config.d  # compressed tokens per selection block
         bj = max(1, tune["block_n"] // u)
@@ -109,11 +133,12 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             BJP=max(8, _p2(bj)) if score_dot else _p2(bj),
             SCORE_DOT=score_dot,
             SCORE_LO=tune.get("score_lo", True),
+            SPILL_W=-(-max(config.l - config.d, 0) // config.l_sel),  # blocks past a tile's end its keys reach
         )
     else:
         nstep = tune["win_block_n"]
         chunk = max(Tq, 1)
-        kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False)
+        kw = dict(D_CMP=1, L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False, SPILL_W=0)
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
         if scores:
@@ -156,6 +181,8 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             **kw,
         )
         if scores:
+            if on_scored is not None and c1 == Tq:
+                on_scored()
             out = idx if (c0 == 0 and c1 == Tq) else _out((B, c1 - c0, H, config.n_sel), q, torch.int64)
             topn_launch(sc, out, q_start + c0, nb, config)
             if out is not idx:
@@ -163,8 +190,14 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
     return o, lse, (idx if scores else None)
 
 
-# Score elements per top-n program (rows x NBP columns): rows with few candidates share a program.
-TOPN_ELEMS = 2048
+# Columns per segment of the top-n's two-level row view (at most 32: one bit per column of a segment).
+TOPN_SEG = 32
+
+
+def topn_rows(width, n_sel, tune):
+    """Rows per top-n program: about ``topn_elems`` score elements (rows with few candidates share a
+    program), and the [rows, NSP, NSP] rank comparison at most 4096 elements."""
+    return max(1, min(tune["topn_elems"] // width, 4096 // _p2(n_sel) ** 2))
 
 
 def topn_launch(sc, out, t0, nb, config):
@@ -173,6 +206,7 @@ def topn_launch(sc, out, t0, nb, config):
     (t // l_sel + 1) fits the same power of two, and each range reads only that many columns: at 64k,
     about 2/3 of the score columns are never read (non-candidates of early rows)."""
     B, c, H = sc.shape[:3]
+    tune = TUNE["cuda" if sc.device.type == "cuda" else "cpu"]
     if c and (t0 + c - 1) // config.l_sel + 1 > nb:
         raise ValueError(f"topn_launch: nb={nb} score columns, but position {t0 + c - 1} has "
                          f"{(t0 + c - 1) // config.l_sel + 1} candidate blocks (need nb >= t // l_sel + 1)")
@@ -181,8 +215,7 @@ def topn_launch(sc, out, t0, nb, config):
         width = _p2(min(nb, (t0 + p0) // config.l_sel + 1))
         # last position whose candidate count still fits ``width`` (or the end)
         p1 = c if width >= _p2(nb) else min(c, width * config.l_sel - t0)
-        # rows per program: ~TOPN_ELEMS score elements, and the [rows, NSP, NSP] rank comparison small
-        rb = max(1, min(TOPN_ELEMS // width, 4096 // _p2(config.n_sel) ** 2))
+        rb = topn_rows(width, config.n_sel, tune)
         rows = (p1 - p0) * H
         _topn_kernel[(triton.cdiv(rows, rb), B)](
             sc[:, p0:],
@@ -200,7 +233,8 @@ def topn_launch(sc, out, t0, nb, config):
             N_LOCAL=config.n_local,
             L_SEL=config.l_sel,
             RB=rb,
-            num_warps=4,
+            SEG=min(TOPN_SEG, width),
+            num_warps=tune["topn_warps"],
         )
         p0 = p1
 
@@ -314,10 +348,10 @@ class CompressedAttention(torch.autograd.Function):
     """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, config, scale, q_start, n_blocks):
+    def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         geom = dict(scale=scale, q_start=q_start, stride=config.d, offset=config.l - 1, window=0)
-        o, lse, idx = _attn_forward(q, k, v, config=config, n_blocks=n_blocks, **geom)
+        o, lse, idx = _attn_forward(q, k, v, config=config, n_blocks=n_blocks, on_scored=on_scored, **geom)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = geom
         ctx.mark_non_differentiable(idx)
@@ -327,7 +361,7 @@ class CompressedAttention(torch.autograd.Function):
     def backward(ctx, do, _didx):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _attn_backward(q, k, v, o, lse, do, **ctx.geom)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 class WindowAttention(torch.autograd.Function):
