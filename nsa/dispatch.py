@@ -52,8 +52,14 @@ class Backend:
         """None if this backend can run ``branch`` for tensors on device/dtype, else the reason."""
         return None
 
-    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys):
-        return reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None):
+        """(o_cmp, top-n indices). ``on_scored()`` (optional, no arguments) is called once the block
+        scores are computed (queued, on a GPU) and before the top-n; a backend that cannot split the
+        two calls it at the end."""
+        out = reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+        if on_scored is not None:
+            on_scored()
+        return out
 
     def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
         return reference.selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
@@ -65,6 +71,12 @@ class Backend:
         """Gated sum (paper Eq. 5): ``sum_c gates[..., c, None] * o_c``, gates ``[B,Tq,HQ,3]``."""
         g = gates.unsqueeze(-1)
         return g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
+
+    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start):
+        """``combine(o_cmp, selected(...), o_win, gates)`` when no gradient is needed (the layer's forward
+        in prefill/inference); a backend may fuse the gated sum into its selected branch."""
+        o_sel = self.selected(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+        return self.combine(o_cmp, o_sel, o_win, gates)
 
 
 _REGISTRY: dict[str, Backend] = {"reference": Backend()}

@@ -172,3 +172,38 @@ def test_backend_dispatch_runs_triton():
     assert rec.ran["sel"] == "triton"
     ref = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
     assert _rel(o, ref) <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("mode", ["query", "block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES[:5], ids=IDS[:5])
+def test_selected_gated_matches_reference(case, dtype, mode):
+    """Eq. 5 in the selection kernel's epilogue (forward only): g_cmp o_cmp + g_sel o_sel + g_win o_win
+    against the float64 reference selected branch and the plain gated sum, both kernel families."""
+    cfg, q_start, xs, _, idx = _inputs(case, dtype, seed=100 + CASES.index(case) * 4 + (mode == "block"))
+    g = torch.Generator().manual_seed(CASES.index(case))
+    B, Tq, HQ = xs[0].shape[:3]
+    Dv = xs[2].shape[-1]
+    o_cmp, o_win = (torch.randn(B, Tq, HQ, Dv, generator=g).to(dtype) for _ in range(2))
+    gates = torch.rand(B, Tq, HQ, 3, generator=g).to(dtype)
+    o = selection.selected_gated(*xs, idx, cfg, o_cmp, o_win, gates, q_start=q_start, mode=mode)
+    o_sel = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
+    gg = gates.to(F64).unsqueeze(-1)
+    ref = gg[..., 0, :] * o_cmp.to(F64) + gg[..., 1, :] * o_sel + gg[..., 2, :] * o_win.to(F64)
+    assert o.dtype == dtype and o.shape == ref.shape
+    assert _rel(o, ref) <= (1e-6 if dtype == torch.float32 else 2e-3), _rel(o, ref)
+
+
+def test_selected_gated_refuses_gradients_and_bad_shapes():
+    cfg, q_start, xs, _, idx = _inputs(CASES[1], torch.float32, seed=9)
+    B, Tq, HQ = xs[0].shape[:3]
+    oc = torch.zeros(B, Tq, HQ, xs[2].shape[-1])
+    gates = torch.ones(B, Tq, HQ, 3)
+    q = xs[0].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="selected_gated: forward only"):
+        selection.selected_gated(q, *xs[1:], idx, cfg, oc, oc, gates, q_start=q_start)
+    with pytest.raises(ValueError, match="selected_gated: o_cmp"):
+        selection.selected_gated(*xs, idx, cfg, oc[..., :-1], oc[..., :-1], gates, q_start=q_start)
+    with pytest.raises(ValueError, match="selected_gated: gates"):
+        selection.selected_gated(*xs, idx, cfg, oc, oc, gates[..., :2], q_start=q_start)

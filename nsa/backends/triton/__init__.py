@@ -3,7 +3,8 @@
 Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (see ``nsa.env``), which is
 how CI tests every kernel at small shapes. Each operator keeps the reference's signature
 (``nsa.reference``): ``compressed`` (compressed attention + Eq. 9-12 top-n), ``selected``,
-``window``, and the fused gated sum ``combine``.
+``window``, the fused gated sum ``combine``, and ``selected_gated`` (the selected branch with the
+gated sum in its epilogue, for forwards that need no gradient).
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ class TritonBackend(Backend):
             return triton_unsupported()
         return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
 
-    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys):
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None):
         from .compressed import compressed_branch
-        return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+        return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
+                                 on_scored=on_scored)
 
     def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
         from .selection import selected_attention
@@ -57,6 +59,10 @@ class TritonBackend(Backend):
     def combine(self, o_cmp, o_sel, o_win, gates):
         from .gate import gated_sum
         return gated_sum(o_cmp, o_sel, o_win, gates)
+
+    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start):
+        from .selection import selected_gated  # Eq. 5 in the selection kernel's epilogue
+        return selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, scale=scale, q_start=q_start)
 
 
 BACKEND = TritonBackend()

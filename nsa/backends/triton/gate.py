@@ -34,6 +34,18 @@ def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexp
 
 
 @triton.jit
+def gate_rows(o_sel, OC, OW, GT, off, g_off, ok, mask):
+    """Eq. 5 on a tile of (query, head) rows, in float32: g_cmp o_cmp + g_sel o_sel + g_win o_win, with
+    o_sel given (the selected branch's epilogue), o_cmp/o_win loaded at ``off`` and the gates at
+    ``g_off`` (+0, +1, +2)."""
+    g0 = tl.load(GT + g_off, mask=ok, other=0.0).to(tl.float32)
+    g1 = tl.load(GT + g_off + 1, mask=ok, other=0.0).to(tl.float32)
+    g2 = tl.load(GT + g_off + 2, mask=ok, other=0.0).to(tl.float32)
+    o = g1[:, None] * o_sel + g0[:, None] * tl.load(OC + off, mask=mask, other=0.0).to(tl.float32)
+    return o + g2[:, None] * tl.load(OW + off, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gate_bwd_one(SRC, DST, GT, DG, do, r, ok, off, mask, c: tl.constexpr):
     g = tl.load(GT + r * 3 + c, mask=ok, other=0.0).to(tl.float32)
     oc = tl.load(SRC + off, mask=mask, other=0.0).to(tl.float32)

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gate import gate_rows
 from .rowdot import row_dot
 
 LOG2E = 1.4426950408889634
@@ -71,13 +72,13 @@ def _seq_bounds(CU_Q, CU_K, seq):
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_q_kernel(
-    Q, K, V, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K,
-    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n,
+    Q, K, V, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n, sg_n,
     q_start, scale_log2,
     G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, GATED: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -117,8 +118,11 @@ def _fwd_q_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
-    tl.store(O + r * so_n + heads[:, None] * so_h + dv[None, :], o.to(O.dtype.element_ty),
-             mask=mg[:, None] & (dv[None, :] < DV))
+    off = r * so_n + heads[:, None] * so_h + dv[None, :]
+    omask = mg[:, None] & (dv[None, :] < DV)
+    if GATED:  # Eq. 5 in the epilogue: O is the layer's output (O_CMP/O_WIN share its strides)
+        o = gate_rows(o, OC, OW, GT, off, r * sg_n + heads * 3, mg, omask)
+    tl.store(O + off, o.to(O.dtype.element_ty), mask=omask)
     tl.store(LSE + r * sl_n + heads, m_i + tl.log2(l_i), mask=mg)
 
 
@@ -246,11 +250,13 @@ def _fwd_kv_kernel(
 
 @triton.jit
 def _combine_kernel(
-    OPART, LPART, O, LSE, n_rows, HQ,
-    sop_n, sop_h, sop_s, slp_n, slp_h, so_n, so_h, sl_n,
+    OPART, LPART, O, LSE, OC, OW, GT, n_rows, HQ,
+    sop_n, sop_h, sop_s, slp_n, slp_h, so_n, so_h, sl_n, sg_n,
     N_SEL: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """Merge the per-slot partial outputs of each (query row, head): o = sum_s 2^(lse_s - lse) o_s."""
+    """Merge the per-slot partial outputs of each (query row, head): o = sum_s 2^(lse_s - lse) o_s
+    (GATED: then Eq. 5 with the other two branches, as in ``_fwd_q_kernel``)."""
     pid = tl.program_id(0).to(tl.int64)
     rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rok = rr < n_rows
@@ -273,8 +279,11 @@ def _combine_kernel(
                       mask=live[:, None] & (dv[None, :] < DV), other=0.0)
         acc += ws[:, None] * os_
     o = acc / wsum[:, None]
-    tl.store(O + r[:, None] * so_n + hq[:, None] * so_h + dv[None, :], o.to(O.dtype.element_ty),
-             mask=rok[:, None] & (dv[None, :] < DV))
+    off = r[:, None] * so_n + hq[:, None] * so_h + dv[None, :]
+    omask = rok[:, None] & (dv[None, :] < DV)
+    if GATED:
+        o = gate_rows(o, OC, OW, GT, off, r * sg_n + hq * 3, rok, omask)
+    tl.store(O + off, o.to(O.dtype.element_ty), mask=omask)
     tl.store(LSE + r * sl_n + hq, m + tl.log2(wsum), mask=rok)
 
 
@@ -453,8 +462,8 @@ def _choose_mode(mode, G, l_sel, part_bytes, n_rows):
     return mode
 
 
-def _meta(Dk, Dv, l_sel):
-    BLOCK_S = min(64, _np2(l_sel))
+def _meta(Dk, Dv, l_sel, block_s=None):
+    BLOCK_S = min(block_s or 64, _np2(l_sel))
     return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv))
 
 
@@ -474,26 +483,29 @@ def _interp(x):
     return x.device.type == "cpu"
 
 
-def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts):
+def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts, gated=None):
+    """o, lse, plan. ``gated`` = (o_cmp [Nq,HQ,Dv], o_win (o's layout), gates [Nq,HQ,3]), all
+    contiguous: o is then Eq. 5's gated sum, computed in the epilogue (lse stays the branch's own)."""
     Nq, HQ, Dk = q.shape
     H, Dv = k.shape[1], v.shape[2]
     G = HQ // H
     n_sel = idx.shape[2]
     o = _alloc((Nq, HQ, Dv), q.device, q.dtype)
     lse = _alloc((Nq, HQ), q.device, torch.float32)
+    oc, ow, gt = gated if gated is not None else (o, o, lse)  # unread when not GATED
     prec = _prec(q.dtype)
     scale_log2 = scale * LOG2E
     plan = None
     if Nq == 0:
         return o, lse, plan
     if mode == "query":
-        mt = _meta(Dk, Dv, l_sel)
+        mt = _meta(Dk, Dv, l_sel, opts.get("block_s"))
         _fwd_q_kernel[(Nq, H)](
-            q, k, v, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k,
+            q, k, v, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0),
+            idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
             lay.q_start, scale_log2,
-            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec,
+            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec, GATED=gated is not None,
             num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2), **mt)
         return o, lse, plan
     # measured on H200 (64k, D=128): G=1 best at 128 rows / 2 stages, G=4 at 64 rows / 3 stages
@@ -514,10 +526,11 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts):
     BLOCK_R = 16
     n_rows = Nq * HQ
     _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-        opart, lpart, o, lse, n_rows, HQ,
+        opart, lpart, o, lse, oc, ow, gt, n_rows, HQ,
         opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0),
-        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=_np2(n_sel, 2), BLOCK_DV=_np2(Dv), num_warps=4)
+        o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
+        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=_np2(n_sel, 2), BLOCK_DV=_np2(Dv), GATED=gated is not None,
+        num_warps=4)
     return o, lse, plan
 
 
@@ -589,16 +602,29 @@ class _SelectedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _run(q, k, v, indices, lay, config, scale, mode, opts):
+def _prepare(q, k, v, indices, config, scale, mode):
+    """(scale, mode, int32 indices) of one call (packed layout)."""
     HQ, H = q.shape[1], k.shape[1]
     if HQ % H:
         raise ValueError(f"selected_attention: {HQ} query heads not divisible by {H} key/value heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     part_bytes = q.shape[0] * HQ * indices.shape[-1] * max(q.shape[-1], v.shape[-1]) * q.element_size()
     mode = _choose_mode(mode, HQ // H, config.l_sel, part_bytes, q.shape[0])
-    idx = indices.to(torch.int32).contiguous()
+    return scale, mode, indices.to(torch.int32).contiguous()
+
+
+def _run(q, k, v, indices, lay, config, scale, mode, opts):
+    scale, mode, idx = _prepare(q, k, v, indices, config, scale, mode)
     return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay, scale,
                                     config.l_sel, mode, dict(opts or {}))
+
+
+def _batched_layout(q, k_sel, config, q_start):
+    B, Tq = q.shape[:2]
+    S = k_sel.shape[1]
+    ar = torch.arange(B + 1, device=q.device, dtype=torch.int32)
+    return _Layout(ar * Tq, ar * S, torch.arange(B, device=q.device, dtype=torch.int32).repeat_interleave(Tq),
+                   q_start, config.n_blocks(S))
 
 
 def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0, mode: str = "auto",
@@ -611,12 +637,34 @@ def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start:
     """
     B, Tq, HQ, Dk = q.shape
     S, H = k_sel.shape[1], k_sel.shape[2]
-    dev = q.device
-    ar = torch.arange(B + 1, device=dev, dtype=torch.int32)
-    lay = _Layout(ar * Tq, ar * S, torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(Tq),
-                  q_start, config.n_blocks(S))
     o = _run(q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, -1),
-             indices.reshape(B * Tq, H, -1), lay, config, scale, mode, opts)
+             indices.reshape(B * Tq, H, -1), _batched_layout(q, k_sel, config, q_start), config, scale, mode, opts)
+    return o.reshape(B, Tq, HQ, -1)
+
+
+def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale=None, q_start: int = 0,
+                   mode: str = "auto", opts: dict | None = None):
+    """The layer's output without autograd (prefill/inference): Eq. 5's gated sum
+    ``g_cmp o_cmp + g_sel o_sel + g_win o_win`` with o_sel the selected branch of
+    :func:`selected_attention` (same arguments), the sum done in float32 in the selection kernel's
+    epilogue, so o_sel is never written. The reference equivalent is
+    ``combine(o_cmp, selected_attention(...), o_win, gates)``. Raises if a gradient would be needed."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_sel, v_sel, o_cmp, o_win, gates)):
+        raise RuntimeError("selected_gated: forward only (no autograd); use selected_attention and combine "
+                           "when gradients are needed")
+    B, Tq, HQ, Dk = q.shape
+    S, H = k_sel.shape[1], k_sel.shape[2]
+    if o_cmp.shape != o_win.shape or tuple(o_cmp.shape) != (B, Tq, HQ, v_sel.shape[-1]):
+        raise ValueError(f"selected_gated: o_cmp {tuple(o_cmp.shape)} and o_win {tuple(o_win.shape)} must both be "
+                         f"[B,Tq,HQ,Dv] = {[B, Tq, HQ, v_sel.shape[-1]]}")
+    if tuple(gates.shape) != (B, Tq, HQ, 3):
+        raise ValueError(f"selected_gated: gates {tuple(gates.shape)} must be [B,Tq,HQ,3] = {[B, Tq, HQ, 3]}")
+    qf, kf, vf = q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, -1)
+    scale, mode, idx = _prepare(qf, kf, vf, indices.reshape(B * Tq, H, -1), config, scale, mode)
+    gated = tuple(x.reshape(B * Tq, HQ, -1).contiguous() for x in (o_cmp, o_win, gates))
+    lay = _batched_layout(q, k_sel, config, q_start)
+    o, _, _ = _forward(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay, scale, config.l_sel, mode,
+                       dict(opts or {}), gated=gated)
     return o.reshape(B, Tq, HQ, -1)
 
 
