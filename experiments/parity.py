@@ -6,7 +6,9 @@
 Random inputs in the tested dtype; the reference sees the same values upcast (float64 on CPU,
 float32 on GPU; parity.ref_dtype overrides). The selected branch of both sides uses the
 reference's block indices, so a top-n tie flipped by rounding shows up once, as
-``index_mismatch_frac``, instead of as a large output error. A tensor over its tolerance
+``index_mismatch_frac``, instead of as a large output error. With all branches, the forward is also
+run without gradients (``out_no_grad``: the prefill/inference path, where a backend may fuse the
+gated sum into its selected branch). A tensor over its tolerance
 (parity.tol.<dtype>: rel_l2, and max_abs times max(1, max |reference|)) fails the run after
 everything is logged.
 """
@@ -111,9 +113,16 @@ def work(job: common.Job) -> common.Result:
         o_test, idx_test = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True,
                                     streams=job.cfg.streams)
         o_test.backward(dout.to(dev, dt))
+        o_inf = None
+        if job.branch == "none":  # the forward without gradient: prefill/inference (gated sum fused)
+            with torch.no_grad():
+                o_inf, _ = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True,
+                                    streams=job.cfg.streams)
     common.say(f"[parity] seq={S}: forward and backward done, comparing {1 + len(TENSORS)} tensors")
 
     pairs = [("out", o_test.detach(), o_ref.detach())]
+    if o_inf is not None:
+        pairs.append(("out_no_grad", o_inf, o_ref.detach()))
     pairs += [(f"grad_{n}", test[n].grad, ref[n].grad) for n in TENSORS if ref[n].grad is not None]
     rows, metrics, bad = [], {}, []
     for name, a, r in pairs:

@@ -178,9 +178,12 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     (Eqs. 8-12) and o_win over the last w tokens. ``backend`` is a name or ``{branch: name}``;
     ``fallback`` names the backend to use where the chosen one cannot run (warned and recorded),
     None to raise instead. ``streams``: on CUDA (from ``STREAM_MIN_QUERIES`` queries), the sliding
-    branch runs on a second stream, concurrently with the compressed scoring, top-n and selected
-    branch (it depends on none of them); its backward then runs on that stream too. The result is
-    the same either way. Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
+    branch runs on a second stream, beside the top-n and the selected branch (it depends on neither),
+    from when the compressed attention and scoring kernel is done; its backward then runs on that
+    stream too. The result is the same either way. Without a gradient (prefill, inference), the
+    selected branch's backend may compute the gated sum in its own epilogue (the triton backend does:
+    o_sel is then summed in float32 before rounding, so bf16 outputs differ from the path with a
+    gradient by rounding only). Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
     """
     _check_q(q, config)
     _check_q_start(q_start)
@@ -206,26 +209,51 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
 
 
 def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, backends, *, scale,
-                   q_start=0, streams=True, indices=None):
+                   q_start=0, streams=True, indices=None, fuse_gate=None):
     """The body of :func:`nsa_attention` on checked inputs and chosen backends ``{branch: Backend}``:
     returns ``(o, indices of the compressed top-n)``. ``indices`` (optional) replaces the top-n's for
     the selected branch: ``experiments.parity`` runs the backends under test on the reference's
-    indices, so that a near-tie does not move the outputs it compares."""
+    indices, so that a near-tie does not move the outputs it compares.
+
+    ``streams`` (CUDA, from STREAM_MIN_QUERIES queries): the sliding branch runs on a second stream,
+    started when the compressed attention and scoring kernel is done (``on_scored``), so that it runs
+    beside the top-n and the selected branch instead of taking SMs from the compressed kernel.
+    ``fuse_gate``: the selected branch's backend computes Eq. 5 itself (``selected_gated``, forward
+    only); None: when no gradient is needed."""
     S = k_sel.shape[1]
     dev = q.device
     be_cmp, be_sel, be_win = backends["cmp"], backends["sel"], backends["win"]
-    side = None
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates))
+    fuse = (not grad) if fuse_gate is None else bool(fuse_gate)
+    if fuse and grad:
+        raise ValueError("gated_branches: fuse_gate=True needs a forward without gradients")
+    side = scored = None
+    hook = None
     if streams and dev.type == "cuda" and q.shape[0] * q.shape[1] >= STREAM_MIN_QUERIES:
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        side.wait_stream(main)  # q, k_win, v_win are ready
+        scored, fired = torch.cuda.Event(), []
+
+        def hook():
+            scored.record(main)
+            fired.append(True)
+
+    o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S, on_scored=hook)
+    if side is not None:
+        if not fired:
+            scored.record(main)
+        side.wait_event(scored)  # q, k_win, v_win and the compressed kernel are done
         with torch.cuda.stream(side):
             o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
-    o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S)
-    o_sel = be_sel.selected(q, k_sel, v_sel, idx if indices is None else indices, config, scale=scale,
-                            q_start=q_start)
+    sel_idx = idx if indices is None else indices
+    if not fuse:
+        o_sel = be_sel.selected(q, k_sel, v_sel, sel_idx, config, scale=scale, q_start=q_start)
     if side is None:
         o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
     else:
         main.wait_stream(side)
         o_win.record_stream(main)  # allocated on the side stream, read on this one
-    return be_sel.combine(o_cmp, o_sel, o_win, gates), idx
+    if not fuse:
+        return be_sel.combine(o_cmp, o_sel, o_win, gates), idx
+    return be_sel.selected_gated(q, k_sel, v_sel, sel_idx, config, o_cmp, o_win, gates, scale=scale,
+                                 q_start=q_start), idx

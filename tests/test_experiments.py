@@ -186,8 +186,8 @@ def test_parity_passes_and_fails_on_its_tolerances(runs):
     kids = {r.data.params["parity.tol.float32.max_abs"]: r for r in rs if "mlflow.parentRunId" in r.data.tags}
     ok, bad = kids["1e-05"], kids["1e-12"]
     assert ok.info.status == "FINISHED" and ok.data.metrics["parity_failures"] == 0
-    for k in ("out", "grad_q", "grad_k_cmp", "grad_v_cmp", "grad_k_sel", "grad_v_sel", "grad_k_win", "grad_v_win",
-              "grad_gates"):
+    for k in ("out", "out_no_grad", "grad_q", "grad_k_cmp", "grad_v_cmp", "grad_k_sel", "grad_v_sel", "grad_k_win",
+              "grad_v_win", "grad_gates"):
         assert ok.data.metrics[f"{k}_rel_l2_err"] < 1e-5, k
         assert ok.data.metrics[f"{k}_max_abs_err"] == bad.data.metrics[f"{k}_max_abs_err"]  # same inputs
     assert ok.data.metrics["index_mismatch_frac"] == 0

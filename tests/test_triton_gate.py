@@ -51,19 +51,27 @@ def test_gated_sum_matches_plain_expression(shape, dtype, tol):
         assert err <= tol * max(1.0, want.abs().max().item()), err
 
 
-def test_nsa_attention_uses_fused_gate(monkeypatch):
-    """backend="triton" sums the branches with the Triton kernel, and the result equals the
-    reference backend's (float32, tiny shapes)."""
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_nsa_attention_uses_fused_gate(monkeypatch, grad):
+    """backend="triton" sums the branches with the Triton gate kernel when a gradient is needed and
+    in the selection kernel's epilogue (``selected_gated``) when none is; both equal the reference
+    backend's result (float32, tiny shapes)."""
+    from nsa.backends.triton import selection
+
     cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=8)
     x = random_inputs(cfg, B=1, T=24, dtype=torch.float32)
-    args = [x[n] for n in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")]
+    args = [x[n].clone().requires_grad_(grad) for n in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win",
+                                                        "gates")]
     calls = []
-    real = gate.GatedSum.apply
-    monkeypatch.setattr(gate.GatedSum, "apply", lambda *a: calls.append(1) or real(*a))
+    real, real_gated = gate.GatedSum.apply, selection.selected_gated
+    monkeypatch.setattr(gate.GatedSum, "apply", lambda *a: calls.append("sum") or real(*a))
+    monkeypatch.setattr(selection, "selected_gated", lambda *a, **k: calls.append("epilogue") or real_gated(*a, **k))
     with dispatch.record() as rec:
         o = functional.nsa_attention(*args, cfg, backend="triton")
-    ref = functional.nsa_attention(*args, cfg, backend="reference")
-    assert calls == [1] and rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
+    with torch.no_grad():
+        ref = functional.nsa_attention(*args, cfg, backend="reference")
+    assert calls == (["sum"] if grad else ["epilogue"]) and o.requires_grad == grad
+    assert rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
     assert (o - ref).abs().max().item() <= 1e-5
 
 
@@ -82,3 +90,13 @@ def test_row_dot_matches_plain_expression(shape, dtype, tol):
     with pytest.raises(ValueError, match="row_dot: shapes"):
         rowdot.row_dot(a, b[..., :-1])
 
+
+
+def test_fuse_gate_refuses_a_gradient():
+    cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=8)
+    x = random_inputs(cfg, B=1, T=16, dtype=torch.float32)
+    args = [x[n].clone().requires_grad_(n == "q") for n in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win",
+                                                             "v_win", "gates")]
+    be = {b: dispatch.get("triton") for b in ("cmp", "sel", "win")}
+    with pytest.raises(ValueError, match="fuse_gate=True needs a forward without gradients"):
+        functional.gated_branches(*args, cfg, be, scale=0.25, fuse_gate=True)

@@ -13,8 +13,10 @@ from __future__ import annotations
 from ._cmp_ops import CompressedAttention, default_scale
 
 
-def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, n_keys=None):
-    """Returns ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel] int64)``; see the module docstring."""
+def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, n_keys=None, on_scored=None):
+    """Returns ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel] int64)``; see the module docstring.
+    ``on_scored()`` (optional, no arguments, no autograd work) is called once the attention and scoring
+    kernel is queued, before the top-n: ``nsa.functional`` records a CUDA event there."""
     scale = default_scale(q, scale)
     S = q_start + q.shape[1] if n_keys is None else n_keys
-    return CompressedAttention.apply(q, k_cmp, v_cmp, config, scale, int(q_start), config.n_blocks(S))
+    return CompressedAttention.apply(q, k_cmp, v_cmp, config, scale, int(q_start), config.n_blocks(S), on_scored)
