@@ -130,7 +130,7 @@ def _attn_forward(q, k, v, *, scale, q_start, stride, offset, window, config=Non
             L_CMP=config.l,
             L_SEL=config.l_sel,
             BJ=bj,
-            BJP=max(8, _p2(bj)) if score_dot else _p2(bj),
+            BJP=max(16, _p2(bj)) if score_dot else _p2(bj),  # tl.dot needs N >= 16 (triton 3.0)
             SCORE_DOT=score_dot,
             SCORE_LO=tune.get("score_lo", True),
             SPILL_W=-(-max(config.l - config.d, 0) // config.l_sel),  # blocks past a tile's end its keys reach
