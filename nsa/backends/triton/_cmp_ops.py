@@ -43,6 +43,9 @@ TUNE = {
 # spill): the whole forward at 64k 0.25-0.35 ms faster than 64 rows / 4 warps in the same runs (H200,
 # bench_layer_fwd.py --tune, 2026-11-21 19:10-19:12). Without the cap 128 rows / 8 warps was slower.
 # maxnreg / win_maxnreg (optional): that register cap for the compressed / window forward.
+# topn_elems / topn_warps: score elements and warps per top-n program (rows = topn_elems // width).
+# 1024 / 1: the whole 64k top-n 0.47-0.61 ms on two H200s, 2048 / 4 2.15 ms (bench_cmp_win.py
+# --tune-topn, 2026-11-21 18:57 and 19:04).
 # score_lo: half inputs map p_cmp onto block scores (Eq. 9) with a tensor-core product of p as fp16
 # (relative rounding <= 2^-12 per term); True adds a second product with the fp16 remainder
 # (~2^-23). Measured on the H200 at 64k (2026-11-21): the compressed forward 23.2 ms without, 24.6 ms
