@@ -39,7 +39,7 @@ TUNE = {
 # lse_n: keys per tile of the compressed forward's first pass (log-sum-exp only, no values); 128 took
 # the compressed forward at 64k from 23.4 to 22.6 ms (H200, bench_cmp_win.py --tune-fwd, 2026-11-21).
 # win_*: the sliding window's forward tiles (its own: no score tiles to hold). 128 rows / 8 warps with
-# registers capped at 128 per thread (two programs of 8 warps per SM instead of two of 4; 12 bytes of
+# registers capped at 128 per thread (two programs of 8 warps per SM instead of two of 4; 60 bytes of
 # spill): the whole forward at 64k 0.25-0.35 ms faster than 64 rows / 4 warps in the same runs (H200,
 # bench_layer_fwd.py --tune, 2026-11-21 19:10-19:12). Without the cap 128 rows / 8 warps was slower.
 # maxnreg / win_maxnreg (optional): that register cap for the compressed / window forward.
