@@ -22,27 +22,23 @@ BLOCK_R = 16
 
 
 @triton.jit
-def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
-    r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
-    g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
-    g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
-    g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
-    o = g0[:, None] * tl.load(OC + off, mask=mask, other=0.0).to(tl.float32)
-    o += g1[:, None] * tl.load(OS + off, mask=mask, other=0.0).to(tl.float32)
-    o += g2[:, None] * tl.load(OW + off, mask=mask, other=0.0).to(tl.float32)
-    tl.store(O + off, o.to(O.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def gate_rows(o_sel, OC, OW, GT, off, g_off, ok, mask):
     """Eq. 5 on a tile of (query, head) rows, in float32: g_cmp o_cmp + g_sel o_sel + g_win o_win, with
-    o_sel given (the selected branch's epilogue), o_cmp/o_win loaded at ``off`` and the gates at
-    ``g_off`` (+0, +1, +2)."""
+    o_sel given (float32), o_cmp/o_win loaded at ``off`` and the gates at ``g_off`` (+0, +1, +2). Used
+    by the gate kernel and by the selection kernels' epilogues."""
     g0 = tl.load(GT + g_off, mask=ok, other=0.0).to(tl.float32)
     g1 = tl.load(GT + g_off + 1, mask=ok, other=0.0).to(tl.float32)
     g2 = tl.load(GT + g_off + 2, mask=ok, other=0.0).to(tl.float32)
-    o = g1[:, None] * o_sel + g0[:, None] * tl.load(OC + off, mask=mask, other=0.0).to(tl.float32)
+    o = g0[:, None] * tl.load(OC + off, mask=mask, other=0.0).to(tl.float32)
+    o += g1[:, None] * o_sel
     return o + g2[:, None] * tl.load(OW + off, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
+    o = gate_rows(tl.load(OS + off, mask=mask, other=0.0).to(tl.float32), OC, OW, GT, off, r * 3, ok, mask)
+    tl.store(O + off, o.to(O.dtype.element_ty), mask=mask)
 
 
 @triton.jit
