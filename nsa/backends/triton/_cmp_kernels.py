@@ -111,6 +111,13 @@ def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, 
 
 
 @triton.jit
+def _eq9_w(i_lo, j_lo, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr):
+    """Eq. 9 weight |[i_lo, i_lo+l) ∩ [j_lo, j_lo+l_sel)| / d of the compressed token starting at raw
+    position i_lo onto the selection block starting at j_lo (broadcast shapes; integer)."""
+    return tl.maximum(tl.minimum(i_lo + L_CMP, j_lo + L_SEL) - tl.maximum(i_lo, j_lo), 0) // D_CMP
+
+
+@triton.jit
 def _eq9_weights(nn, cc, NSTEP: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
                  BJ: tl.constexpr, BJP: tl.constexpr, SCORE_DOT: tl.constexpr):
     """Eq. 9 weights W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d of a tile's tokens ii onto its
@@ -118,18 +125,16 @@ def _eq9_weights(nn, cc, NSTEP: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.con
     so they are built once per program. SCORE_DOT: [BLOCK_N, BJP] fp16 onto the tile's own blocks
     (small integers: exact; the spill past its end is summed in float32 by ``_spill``); else
     (main [BLOCK_N, BJP], spill onto blocks BJ + c) fp32."""
-    i_lo = nn * D_CMP
-    i_ok = nn < NSTEP
-    j_lo = cc * L_SEL
-    w_a = tl.minimum(i_lo[:, None] + L_CMP, j_lo[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo[None, :])
+    i_lo = (nn * D_CMP)[:, None]
+    i_ok = (nn < NSTEP)[:, None]
+    j_lo = (cc * L_SEL)[None, :]
+    w_a = _eq9_w(i_lo, j_lo, D_CMP, L_CMP, L_SEL)
     if SCORE_DOT:
-        w_a = tl.where(i_ok[:, None] & (cc < BJ)[None, :], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float16)
+        w_a = tl.where(i_ok & (cc < BJ)[None, :], w_a, 0).to(tl.float16)
         w_b = w_a
     else:
-        w_a = tl.where(i_ok[:, None], tl.maximum(w_a, 0) // D_CMP, 0).to(tl.float32)
-        j_lo2 = j_lo + BJ * L_SEL
-        w_b = tl.minimum(i_lo[:, None] + L_CMP, j_lo2[None, :] + L_SEL) - tl.maximum(i_lo[:, None], j_lo2[None, :])
-        w_b = tl.where(i_ok[:, None], tl.maximum(w_b, 0) // D_CMP, 0).to(tl.float32)
+        w_a = tl.where(i_ok, w_a, 0).to(tl.float32)
+        w_b = tl.where(i_ok, _eq9_w(i_lo, j_lo + BJ * L_SEL, D_CMP, L_CMP, L_SEL), 0).to(tl.float32)
     return w_a, w_b
 
 
@@ -138,11 +143,8 @@ def _spill(p, nn, cc, carry, BLOCK_M: tl.constexpr, GP: tl.constexpr, NSTEP: tl.
            L_CMP: tl.constexpr, L_SEL: tl.constexpr, BJ: tl.constexpr, SPILL_W: tl.constexpr):
     """The tile's Eq. 9/10 mass on blocks BJ .. BJ+SPILL_W-1 (past its end: the tokens of its last keys
     reach into them), summed over the group in float32: column c of the returned carry."""
-    i_lo = nn * D_CMP
     for c in tl.static_range(SPILL_W):
-        jl = (BJ + c) * L_SEL
-        w = tl.minimum(i_lo + L_CMP, jl + L_SEL) - tl.maximum(i_lo, jl)
-        w = tl.where(nn < NSTEP, tl.maximum(w, 0) // D_CMP, 0).to(tl.float32)
+        w = tl.where(nn < NSTEP, _eq9_w(nn * D_CMP, (BJ + c) * L_SEL, D_CMP, L_CMP, L_SEL), 0).to(tl.float32)
         sp = tl.sum(tl.reshape(tl.sum(p * w[None, :], 1), [BLOCK_M, GP]), 1)  # [BLOCK_M]
         carry = tl.where(cc[None, :] == c, sp[:, None], carry)
     return carry
@@ -555,6 +557,13 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
+def _free(j, last, nb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
+    """Columns j (broadcast against rows' last = t // l_sel) that are candidates (j <= last, j < nb)
+    and not forced (j >= N_INIT, j <= last - N_LOCAL); no ~, which triton 3.0's interpreter lacks."""
+    return (j < nb) & (j >= N_INIT) & (j <= last - N_LOCAL)
+
+
+@triton.jit
 def _topn_kernel(
     SC,
     IDX,
@@ -609,9 +618,7 @@ def _topn_kernel(
     kr = kk[None, :] + tl.zeros([RB, NSP], tl.int32)
     win = tl.where(kr < ni[:, None], kr, win)
     win = tl.where((kr >= ni[:, None]) & (kr < f[:, None]), lo_loc[:, None] + kr - ni[:, None], win)
-    # free: a candidate (j <= t // l_sel, j < nb) that is not forced (no ~: triton 3.0)
-    free = (j[None, :] < nb) & (j[None, :] >= N_INIT) & (j[None, :] <= last[:, None] - N_LOCAL)
-    s = tl.where(free, s, -1.0)  # scores are >= 0: -1 marks "not a free candidate" (or already taken)
+    s = tl.where(_free(j[None, :], last[:, None], nb, N_INIT, N_LOCAL), s, -1.0)  # scores >= 0: -1 = not free
     smax = tl.max(tl.reshape(s, [RB, NSEG, SEG]), 2)  # [RB, NSEG]
     sg_i = tl.arange(0, NSEG)
     sl = tl.arange(0, SEG)
@@ -623,8 +630,8 @@ def _topn_kernel(
         jj = sg[:, None] * SEG + sl[None, :]  # [RB, SEG] columns of that segment
         seg = tl.load(row[:, None] + jj, mask=r_ok[:, None] & (jj < nb), other=-1.0)
         bits = tl.sum(tl.where(sg_i[None, :] == sg[:, None], taken, 0), 1)
-        ok = (jj < nb) & (jj >= N_INIT) & (jj <= last[:, None] - N_LOCAL) & (((bits[:, None] >> sl[None, :]) & 1) == 0)
-        seg = tl.where(ok, seg, -1.0)
+        ok = _free(jj, last[:, None], nb, N_INIT, N_LOCAL) & (((bits[:, None] >> sl[None, :]) & 1) == 0)
+        seg = tl.where(ok, seg, -1.0)  # not free, or taken by an earlier round
         jl = tl.min(tl.where(seg == mx[:, None], sl[None, :], SEG), 1)  # ties: the lower column
         jl = tl.minimum(jl, SEG - 1)
         seg = tl.where(sl[None, :] == jl[:, None], -1.0, seg)
