@@ -9,6 +9,7 @@ absolute positions ``q_start .. q_start+Tq-1`` and S = q_start + Tq keys are giv
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping
 
@@ -228,20 +229,13 @@ def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: N
     fuse = (not grad) if fuse_gate is None else bool(fuse_gate)
     if fuse and grad:
         raise ValueError("gated_branches: fuse_gate=True needs a forward without gradients")
-    side = scored = None
-    hook = None
+    side = hook = None
     if streams and dev.type == "cuda" and q.shape[0] * q.shape[1] >= STREAM_MIN_QUERIES:
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-        scored, fired = torch.cuda.Event(), []
-
-        def hook():
-            scored.record(main)
-            fired.append(True)
-
+        scored = torch.cuda.Event()
+        hook = functools.partial(scored.record, main)  # every backend calls on_scored (Backend.compressed)
     o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S, on_scored=hook)
     if side is not None:
-        if not fired:
-            scored.record(main)
         side.wait_event(scored)  # q, k_win, v_win and the compressed kernel are done
         with torch.cuda.stream(side):
             o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)

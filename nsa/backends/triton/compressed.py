@@ -3,7 +3,7 @@
 
 The forward kernel (``_cmp_kernels._fwd_kernel`` with SCORES) fuses compressed attention with the
 Eq. 9/10 block scores, so no [H, T, Tc] probability tensor is ever formed; it writes a float32
-``[B, chunk, H, nb]`` score buffer for a chunk of queries, which ``_cmp_ops.topn_blocks`` turns into
+``[B, chunk, H, nb]`` score buffer for a chunk of queries, which ``_cmp_ops.topn_launch`` turns into
 the top-n indices (forcing, ties to the lower index) before the next chunk. Backward (dq, dk_cmp,
 dv_cmp) is a flash-style Triton backward with the visibility mask i*d + l - 1 <= t.
 """
