@@ -142,8 +142,10 @@ def test_compressed_fp16_forward(case, score_lo, monkeypatch):
     assert torch.equal(idx, ridx)  # these inputs have no near-ties; fp16 products are exact in fp32
 
 
-@pytest.mark.parametrize("dtype,score_lo,tol", [(torch.float32, True, 1e-5), (torch.float16, True, 1e-5),
-                                                (torch.float16, False, 1e-3)], ids=["fp32", "fp16-lo", "fp16"])
+# tol: relative to the largest score. fp32 and the fp16 hi+lo product land within ~7e-7 on these inputs;
+# fp16 p alone is off by up to 2^-12 (its rounding) relative to each score.
+@pytest.mark.parametrize("dtype,score_lo,tol", [(torch.float32, True, 3e-6), (torch.float16, True, 3e-6),
+                                                (torch.float16, False, 3e-4)], ids=["fp32", "fp16-lo", "fp16"])
 @pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 4, 5, 6, 8)], ids=[CMP_IDS[i] for i in (0, 4, 5, 6, 8)])
 def test_block_scores_match_reference(case, dtype, score_lo, tol, monkeypatch):
     """The kernel's Eq. 9/10 block scores themselves (the buffer the top-n reads), every candidate
