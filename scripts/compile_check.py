@@ -1,14 +1,18 @@
 """Compile the prefill kernels for a GPU target on a machine without a GPU, before spending GPU time.
 
-    python scripts/compile_check.py [--arch 90] [--dk 128,192]
+    python scripts/compile_check.py [--arch 90] [--dk 128,192] [--ptx DIR]
 
 Triton compiles to PTX and runs its bundled ptxas without a device, so this prints, per kernel and
 launch shape the triton backend uses on CUDA (``_cmp_ops.TUNE["cuda"]``, the top-n buckets, the gated
-sum, the backward's row dot, the selection forward): compile seconds, shared memory (bytes; the H200
-allows 232448 per block), registers per thread and spill-store bytes (from ptxas -v). A shape that
-needs too much shared memory, or a compile that takes minutes, shows here instead of inside a GPU
-call. Exit code 1 if a kernel fails to compile or exceeds --smem. A compile time near 0 s is a hit
-in Triton's on-disk cache. Timings need the GPU.
+sum, the backward's row dot, every selection kernel, the decode-step kernels at B=1 and B=64):
+compile seconds, shared memory (bytes; the H200 allows 232448 per block), registers per thread and
+spill-store bytes (from ptxas -v). A shape that needs too much shared memory, or a compile that takes
+minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or exceeds
+--smem. A compile time near 0 s is a hit in Triton's on-disk cache. Timings need the GPU.
+
+``--ptx DIR`` also writes each kernel's PTX with its instructions only (``DIR/<kernel>-dk<Dk>.ptx``:
+no debug lines, comments or kernel name; parameters by their Python name), so that two trees can be
+compared with ``diff -r``: a refactoring that must not change what compiles shows no difference.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nsa.backends.triton import _cmp_kernels as K  # noqa: E402
 from nsa.backends.triton import _cmp_ops, gate, rowdot, selection  # noqa: E402
+from nsa.backends.triton import _dec_kernels as dK  # noqa: E402
 
 
-def compile_one(fn, consts, ptrs, target, i64=(), **opts):
-    """(compile seconds, shared bytes, registers, spill-store bytes) of one kernel. Pointers and
+def compile_one(fn, consts, ptrs, target, i64=(), floats=("scale_log2", "scale"), **opts):
+    """(compile seconds, shared bytes, registers, spill-store bytes, PTX) of one kernel. Pointers and
     integer arguments are marked divisible by 16, as a launch specializes them for contiguous tensors
     with dims that are multiples of 16 (without it, loads are not vectorized and the figures are a
     different kernel's). Registers and spills come from ptxas -v (Triton's bundled ptxas)."""
@@ -43,7 +48,7 @@ def compile_one(fn, consts, ptrs, target, i64=(), **opts):
             sig[p] = "constexpr"
         elif p in ptrs:
             sig[p] = ptrs[p]
-        elif p in ("scale_log2", "scale"):
+        elif p in floats:
             sig[p] = "fp32"
         else:
             sig[p] = "i64" if p in i64 else "i32"
@@ -51,8 +56,30 @@ def compile_one(fn, consts, ptrs, target, i64=(), **opts):
     t0 = time.time()
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target, options=opts)
     sec = time.time() - t0
-    regs, spill = _ptxas_usage(k.asm["ptx"], target.arch)
-    return sec, int(k.metadata.shared), regs, spill
+    ptx = k.asm["ptx"]
+    regs, spill = _ptxas_usage(ptx, target.arch)
+    return sec, int(k.metadata.shared), regs, spill, _instructions(ptx, [p for p, t in sig.items() if t != "constexpr"])
+
+
+def _instructions(ptx, params):
+    """The PTX's instruction stream: no debug sections, ``.loc``/``.file`` lines or comments; the
+    kernel's name replaced and its parameters named after the Python arguments (``params``, in order)."""
+    ptx = ptx.split("\t.section\t.debug", 1)[0]
+    entry = re.search(r"\.entry (\w+)\(", ptx).group(1)
+    keep = []
+    for line in ptx.splitlines():
+        s = line.split("//", 1)[0].rstrip()
+        if not s.strip() or s.lstrip().startswith((".loc", ".file")):
+            continue
+        keep.append(s)
+    out = "\n".join(keep) + "\n"
+
+    def param(m):
+        i = int(m.group(1))
+        return "%param:" + (params[i] if i < len(params) else f"extra{i - len(params)}")
+
+    out = re.sub(re.escape(entry) + r"_param_(\d+)", param, out)
+    return out.replace(entry, "KERNEL")
 
 
 def _ptxas_usage(ptx, arch):
@@ -71,7 +98,8 @@ def _ptxas_usage(ptx, arch):
 
 
 def cases(dk, dv):
-    """(name, kernel, constexprs, pointer types, int64 args, launch options) as the launchers use them."""
+    """(name, kernel, constexprs, pointer types, int64 args, launch options[, float args]) as the
+    launchers use them."""
     tune = _cmp_ops.TUNE["cuda"]
     bf, f32 = "*bf16", "*fp32"
     geo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda)
@@ -93,12 +121,42 @@ def cases(dk, dv):
     yield ("cmp bwd dq", K._bwd_dq_kernel, bwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
     yield ("cmp bwd dk/dv", K._bwd_dkdv_kernel, bwd,
            dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32), ("sdk_s", "sdv_s"), opts)
+    wbwd = dict(bwd, STRIDE=1, OFFSET=0, WINDOW=512)
+    yield ("win bwd dq", K._bwd_dq_kernel, wbwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
+    yield ("win bwd dk/dv", K._bwd_dkdv_kernel, wbwd,
+           dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32), ("sdk_s", "sdv_s"), opts)
     sel = dict(G=16, N_SEL=16, L_SEL=64, DK=dk, DV=dv, BLOCK_G=16, PREC="tf32", **selection._meta(dk, dv, 64))
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
         yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated), sel_io, (),
                dict(num_warps=4, num_stages=2))
+    yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
+           dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
+                CU_K="*i32"), (), dict(num_warps=4, num_stages=2))
+    for G in (16, 4, 1):  # block-outer kernels at the group sizes the plans of BENCHMARKS.md use
+        GP, BQ = selection._block_q(G, max(dk, dv), 128 if G == 1 else 64)
+        kv = dict(G=G, GP=GP, L_SEL=64, DK=dk, DV=dv, BLOCK_Q=BQ, BLOCK_L=64, BLOCK_DK=selection._np2(dk),
+                  BLOCK_DV=selection._np2(dv), PREC="tf32", INTERP=False)
+        ent = dict(ENT_ROW="*i32", ENT_SLOT="*i32", ITEM_KEY="*i64", ITEM_START="*i64", ITEM_END="*i64",
+                   CU_Q="*i32", CU_K="*i32")
+        yield (f"sel fwd kv G{G}", selection._fwd_kv_kernel, kv, dict(Q=bf, K=bf, V=bf, OPART=bf, LPART=f32, **ent),
+               (), dict(num_warps=4, num_stages=2 if G == 1 else 3))
+        GPb, BQb = selection._block_q(G, max(dk, dv), 128)
+        for write_dq in (False, True):
+            yield (f"sel bwd kv G{G}" + (" dq" if write_dq else ""), selection._bwd_kv_kernel,
+                   dict(kv, GP=GPb, BLOCK_Q=BQb, WRITE_DQ=write_dq),
+                   dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK32=f32, DV32=f32, DQPART=bf if write_dq else f32,
+                        **ent), (),
+                   dict(num_warps=8, num_stages=2))
+    if dk == 128:
+        for gated in (False, True):
+            yield ("sel combine" + (" gated" if gated else ""), selection._combine_kernel,
+                   dict(N_SEL=16, DV=dv, BLOCK_R=16, BLOCK_N=16, BLOCK_DV=selection._np2(dv), GATED=gated),
+                   dict(OPART=bf, LPART=f32, O=bf, LSE=f32, OC=bf, OW=bf, GT=bf), (), dict(num_warps=4))
+    yield ("sel dq combine", selection._dq_combine_kernel,
+           dict(G=16, N_SEL=16, DK=dk, BLOCK_R=16, BLOCK_DK=selection._np2(dk)),
+           dict(DQPART=bf, IDX="*i32", DQ=bf), (), dict(num_warps=4))
     if dk == 128:
         for width in (1, 64, 1024):  # the smallest, a middle and the 64k top-n bucket
             rb = _cmp_ops.topn_rows(width, 16, tune)
@@ -112,6 +170,51 @@ def cases(dk, dv):
                dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), dict(num_warps=4))
         yield ("row dot (delta)", rowdot._row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
                dict(A=bf, B=bf, OUT=f32), (), dict(num_warps=4))
+    yield from decode_cases(dk, dv)
+
+
+def decode_cases(dk, dv, n_sm=132, max_len=65536):
+    """The decode-step kernels as ``DecodeKernels`` launches them on CUDA (H200: 132 SMs) for
+    ``model=h200bench`` at B=1 and B=64, caches of 64k tokens."""
+    H, G, L, D, LS, N_SEL, W = 4, 16, 32, 16, 64, 16, 512
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    for B in (1, 64):
+        p = _decode_params(B, H, G, dk, dv, L, D, LS, N_SEL, W, max_len, n_sm)
+        common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"])
+        yield (f"dec cmp partial B{B}", dK._dec_cmp_partial,
+               dict(common, DK=dk, DV=dv, L=L, D=D, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"], PREC="tf32",
+                    COUNT=False, SMALL_DOT=False),
+               dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32,
+                    cnt_ptr=i32), (), dict(num_warps=4), ("qk_scale",))
+        yield (f"dec cmp topk B{B}", dK._dec_cmp_topk,
+               dict(common, DV=dv, L=L, D=D, LS=LS, NSC=p["nsc"], NSC_PAD=p["NSC_PAD"], N_SEL=N_SEL, N_INIT=1,
+                    N_LOCAL=2, BLOCK_T=256, NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], DO_TOPK=True),
+               dict(pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, psum_ptr=f32, ocmp_ptr=f32,
+                    idx_ptr=i32), (), dict(num_warps=8), ())
+        yield (f"dec sel/win B{B}", dK._dec_sv_partial,
+               dict(common, DK=dk, DV=dv, LS=LS, W=W, N_SEL=N_SEL, NS_SEL=p["ns_sel"], SEL_PER=p["sel_per"],
+                    SEL_VEC=p["sel_vec"], NS_TOT=p["ns_sel"] + p["ns_win"], WIN_PER=p["win_per"], NWC=p["nwc"],
+                    SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False),
+               dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
+                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=4), ("qk_scale",))
+        yield (f"dec combine B{B}", dK._dec_combine,
+               dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_sel"] + p["ns_win"], HAS_CMP=True, HAS_SEL=True,
+                    HAS_WIN=True),
+               dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (), dict(num_warps=4),
+               ())
+
+
+def _decode_params(B, H, G, dk, dv, L, D, LS, N_SEL, W, max_len, n_sm):
+    """``DecodeKernels``'s CUDA launch parameters (its defaults, no overrides)."""
+    p2 = lambda n, lo=1: max(lo, 1 << max(0, (int(n) - 1).bit_length()))  # noqa: E731
+    tcs = max((max_len - L) // D + 1, 1)
+    nsc = max(1, min(-(-4 * n_sm // (B * H)), -(-tcs // (4 * 64)), 32))
+    big = B * H >= n_sm
+    sel_per = win_per = 4 if big else 1
+    nwc = -(-min(W, max_len) // 64)
+    return dict(BG=p2(G, 16), BDK=p2(dk, 16), BDV=p2(dv, 16), block_c=64, nsc=nsc, NSC_PAD=p2(nsc, 2),
+                NB_PAD=p2(-(-max_len // LS), 16), BSEL=p2(N_SEL, 2), BLS=p2(LS, 16), bw=64, nwc=nwc,
+                sel_per=sel_per, sel_vec=1, win_per=win_per, ns_sel=-(-N_SEL // sel_per), ns_win=-(-nwc // win_per))
 
 
 class _Cuda:
@@ -123,21 +226,28 @@ def main():
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 89, 80")
     ap.add_argument("--dk", default="128,192", help="Dk values to check (Dv = 128)")
     ap.add_argument("--smem", type=int, default=232448, help="shared memory per block of the target (bytes)")
+    ap.add_argument("--ptx", metavar="DIR", help="write each kernel's PTX instruction stream to DIR")
     a = ap.parse_args()
     target = GPUTarget("cuda", a.arch, 32)
+    if a.ptx:
+        os.makedirs(a.ptx, exist_ok=True)
     bad = 0
-    print(f"{'kernel':<18} {'Dk':>4} {'compile s':>9} {'shared B':>9} {'regs':>5} {'spill B':>8}")
+    print(f"{'kernel':<22} {'Dk':>4} {'compile s':>9} {'shared B':>9} {'regs':>5} {'spill B':>8}")
     for dk in (int(x) for x in a.dk.split(",")):
-        for name, fn, consts, ptrs, i64, opts in cases(dk, 128):
+        for name, fn, consts, ptrs, i64, opts, *floats in cases(dk, 128):
+            kw = dict(floats=floats[0]) if floats else {}
             try:
-                sec, smem, regs, spills = compile_one(fn, consts, ptrs, target, i64, **opts)
+                sec, smem, regs, spills, ptx = compile_one(fn, consts, ptrs, target, i64, **kw, **opts)
             except Exception as e:  # noqa: BLE001  (the row says which kernel failed)
-                print(f"{name:<18} {dk:>4} FAILED {type(e).__name__}: {str(e)[:200]}")
+                print(f"{name:<22} {dk:>4} FAILED {type(e).__name__}: {str(e)[:200]}")
                 bad += 1
                 continue
+            if a.ptx:
+                with open(os.path.join(a.ptx, f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}-dk{dk}.ptx"), "w") as f:
+                    f.write(ptx)
             over = smem > a.smem
             bad += over
-            print(f"{name:<18} {dk:>4} {sec:>9.1f} {smem:>9d} {regs:>5d} {spills:>8d}"
+            print(f"{name:<22} {dk:>4} {sec:>9.1f} {smem:>9d} {regs:>5d} {spills:>8d}"
                   + ("  OVER the shared-memory limit" if over else ""), flush=True)
     sys.exit(1 if bad else 0)
 
