@@ -30,15 +30,6 @@ from . import common, measure
 BRANCHES = ("cmp", "sel", "win")
 
 
-def decoder_graph(dec: GraphDecoder, body):
-    """Capture ``body`` (a decoder step at a fixed position) in a CUDA graph; returns its replay."""
-    dec._warm(body)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    return g.replay
-
-
 def estimate_bytes(job: common.Job) -> float:
     """Rough tensor memory: the cache (three branches' raw keys/values, +10 % compressed) and one
     fill chunk's activations (input, queries, six key/value projections, about twice over)."""
@@ -82,11 +73,9 @@ def work(job: common.Job) -> common.Result:
         if use_decoder:
             # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
             dec = GraphDecoder(layer, cache)
-            dec.x_static.copy_(xs)
             forced = BRANCHES if branch == "none" else (branch,)
-            times = {"layer": measure.quantiles(measure.time_ms(
-                decoder_graph(dec, lambda: dec._body(dec.x_static, branches=forced, advance=False)),
-                dev, d.warmup, d.repeats))}
+            step = dec.graph(dec.step_fn(xs, branches=forced, advance=False)).replay
+            times = {"layer": measure.quantiles(measure.time_ms(step, dev, d.warmup, d.repeats))}
         else:
             fn = measure.graph_step(layer_step, dev) if graphs else layer_step
             times = {"layer": measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))}
@@ -100,9 +89,8 @@ def work(job: common.Job) -> common.Result:
         if use_decoder:
             # The decode kernels' own counters must agree with the count from the indices.
             q_d, g_d = inp.q[:, 0], inp.gates[:, 0]
-            dec.pos.fill_(S - 1)
-            dec.attend(q_d, g_d, count=True)
-            counted = dec.kernels.counts.view(B, c.n_kv_heads, 3).double().mean((0, 1)).tolist()
+            dec.attend(q_d, g_d, position=S - 1, count=True)
+            counted = dec.token_counts().double().mean((0, 1)).tolist()
             for b, n in zip(BRANCHES, counted):
                 metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
                 if abs(n - float(parts[b].double().mean())) > 0:
@@ -111,7 +99,7 @@ def work(job: common.Job) -> common.Result:
         for i, v in enumerate(timed[1:-1], 2):
             if use_decoder:
                 brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
-                g = dec.capture_attention(q_d, g_d, branches=brs, combine=(v == "nsa"))
+                g = dec.graph(lambda brs=brs, v=v: dec.attend(q_d, g_d, branches=brs, combine=(v == "nsa")))
                 times[v] = measure.quantiles(measure.time_ms(g.replay, dev, d.warmup, d.repeats))
                 progress(i, v, times[v])
                 continue

@@ -9,6 +9,8 @@ A backend implements three branch operators with the reference's signatures
 
 and the gated sum of the three outputs (``combine``, spec step 7), which runs on the backend chosen
 for the ``sel`` branch (the base class: the plain PyTorch expression; ``triton``: one fused kernel).
+A backend may also provide the fused kernels of a whole decode step (``decode_kernels``, for
+``nsa.decode.GraphDecoder``, which chooses its backend here too).
 
 ``backend`` arguments take a name (every branch) or a mapping ``{"cmp": .., "sel": .., "win": ..}``.
 A backend that cannot run a branch on the given device/dtype raises ``BackendUnavailable`` naming
@@ -77,6 +79,12 @@ class Backend:
         in prefill/inference); a backend may fuse the gated sum into its selected branch."""
         o_sel = self.selected(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
         return self.combine(o_cmp, o_sel, o_win, gates)
+
+    def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
+        """The kernels of one fused decode step for ``B`` sequences and caches of ``max_len`` tokens
+        (an object with ``attend``, see ``nsa.backends.triton.decode.DecodeKernels``), or None where
+        this backend has none (the base class)."""
+        return None
 
 
 _REGISTRY: dict[str, Backend] = {"reference": Backend()}
@@ -148,6 +156,15 @@ def record():
         yield rec
     finally:
         _CURRENT.reset(token)
+
+
+def record_ran(ran: Mapping[str, str]) -> None:
+    """Note in the current ``record()`` that backends ran branches (``{branch: name}``), for callers
+    that chose them once with :func:`choose` and run them again later (a decode step, a replayed
+    CUDA graph)."""
+    rec = _CURRENT.get()
+    if rec is not None:
+        rec.ran.update(ran)
 
 
 def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fallback: str | None) -> Backend:

@@ -22,16 +22,26 @@ from . import functional
 from .config import NSAConfig
 
 
+def rope_cos_sin(pos: torch.Tensor, D: int, base: float, dtype: torch.dtype):
+    """RoPE's cos and sin tables ``[T, D]`` at absolute positions ``pos [T]``, in ``dtype``."""
+    inv = base ** (-torch.arange(0, D, 2, device=pos.device, dtype=dtype) / D)
+    ang = pos.to(dtype)[:, None] * inv[None, :]  # [T, D/2]
+    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` (last dim D) with tables broadcast against it, computed in the
+    tables' dtype and returned in x's."""
+    xa = x.to(cos.dtype)
+    x1, x2 = xa.chunk(2, dim=-1)
+    return (xa * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form) of ``x [B,T,H,D]`` at absolute positions ``pos [T]``."""
-    D = x.shape[-1]
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv = base ** (-torch.arange(0, D, 2, device=x.device, dtype=acc) / D)
-    ang = pos.to(acc)[:, None] * inv[None, :]  # [T, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None, :]
-    x1, x2 = x.to(acc).chunk(2, dim=-1)
-    return (x.to(acc) * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+    cos, sin = rope_cos_sin(pos, x.shape[-1], base, acc)
+    return apply_rope(x, cos[None, :, None, :], sin[None, :, None, :])
 
 
 class PhiMLP(nn.Module):

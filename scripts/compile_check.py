@@ -3,7 +3,7 @@
     python scripts/compile_check.py [--arch 90] [--dk 128,192] [--ptx DIR]
 
 Triton compiles to PTX and runs its bundled ptxas without a device, so this prints, per kernel and
-launch shape the triton backend uses on CUDA (``_cmp_ops.TUNE["cuda"]``, the top-n buckets, the gated
+launch shape the triton backend uses on CUDA (``tuning.TABLES["cuda"]``, the top-n buckets, the gated
 sum, the backward's row dot, every selection kernel, the decode-step kernels at B=1 and B=64):
 compile seconds, shared memory (bytes; the H200 allows 232448 per block), registers per thread and
 spill-store bytes (from ptxas -v). A shape that needs too much shared memory, or a compile that takes
@@ -32,9 +32,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa.backends.triton import _cmp_kernels as K  # noqa: E402
-from nsa.backends.triton import _cmp_ops, gate, rowdot, selection  # noqa: E402
-from nsa.backends.triton import _dec_kernels as dK  # noqa: E402
+from nsa import NSAConfig  # noqa: E402
+from nsa.backends.triton import attention_bwd, compressed, decode, gate, rowdot, selection, tiles, topn  # noqa: E402
+from nsa.backends.triton import tuning, window  # noqa: E402
+from nsa.backends.triton.utils import launch_options, p2  # noqa: E402
 
 
 def compile_one(fn, consts, ptrs, target, i64=(), floats=("scale_log2", "scale"), **opts):
@@ -62,14 +63,14 @@ def compile_one(fn, consts, ptrs, target, i64=(), floats=("scale_log2", "scale")
 
 
 def _instructions(ptx, params):
-    """The PTX's instruction stream: no debug sections, ``.loc``/``.file`` lines or comments; the
-    kernel's name replaced and its parameters named after the Python arguments (``params``, in order)."""
+    """The PTX's instruction stream: no debug sections, ``.loc``/``.file`` lines, debug labels or
+    comments; the kernel's name replaced and its parameters named after the Python arguments (``params``, in order)."""
     ptx = ptx.split("\t.section\t.debug", 1)[0]
     entry = re.search(r"\.entry (\w+)\(", ptx).group(1)
     keep = []
     for line in ptx.splitlines():
         s = line.split("//", 1)[0].rstrip()
-        if not s.strip() or s.lstrip().startswith((".loc", ".file")):
+        if not s.strip() or s.lstrip().startswith((".loc", ".file", "$L__tmp")):  # $L__tmp: debug-info labels
             continue
         keep.append(s)
     out = "\n".join(keep) + "\n"
@@ -100,74 +101,76 @@ def _ptxas_usage(ptx, arch):
 def cases(dk, dv):
     """(name, kernel, constexprs, pointer types, int64 args, launch options[, float args]) as the
     launchers use them."""
-    tune = _cmp_ops.TUNE["cuda"]
+    tune = tuning.table("cuda")
+    cmp_t, win_t, bwd_t = tune["compressed"], tune["window"], tune["attention_bwd"]
     bf, f32 = "*bf16", "*fp32"
-    geo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda)
-    wgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, "win")
-    bgeo, _ = _cmp_ops._geom(64, 4, dk, dv, _Cuda, "bwd")
+    geo = tiles.geometry(64, 4, dk, dv, cmp_t["rows"])
+    wgeo = tiles.geometry(64, 4, dk, dv, win_t["rows"])
+    bgeo = tiles.geometry(64, 4, dk, dv, bwd_t["rows"])
     io = dict(Q=bf, K=bf, V=bf, Out=bf, LSE=f32, SC=f32)
-    yield ("cmp fwd (scores)", K._fwd_kernel,
-           dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, WINDOW=0, SCORES=True, D_CMP=16,
-                L_CMP=32, L_SEL=64, BJ=16, BJP=16, SCORE_DOT=True, SCORE_LO=tune["score_lo"], LSE_N=tune["lse_n"],
-                SPILL_W=1),
-           io, (), _cmp_ops.fwd_launch(tune, True, geo["BLOCK_M"] * geo["GP"]))
-    wn = tune["win_block_n"]
-    yield ("win fwd", K._fwd_kernel,
-           dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, STRIDE=1, OFFSET=0, WINDOW=512, SCORES=False, D_CMP=1,
-                L_CMP=1, L_SEL=1, BJ=1, BJP=1, SCORE_DOT=False, SCORE_LO=False, LSE_N=tune["lse_n"], SPILL_W=0),
-           io, (), _cmp_ops.fwd_launch(tune, False, wgeo["BLOCK_M"] * wgeo["GP"]))
-    bwd = dict(bgeo, PREC="tf32", BLOCK_N=tune["bwd_block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
-    opts = dict(num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
-    yield ("cmp bwd dq", K._bwd_dq_kernel, bwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
-    yield ("cmp bwd dk/dv", K._bwd_dkdv_kernel, bwd,
-           dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32), ("sdk_s", "sdv_s"), opts)
+    yield ("cmp fwd (scores)", compressed._fwd_kernel,
+           dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16,
+                BJP=16, SCORE_DOT=True, SCORE_LO=cmp_t["score_lo"], LSE_N=cmp_t["lse_n"], SPILL_W=1),
+           io, (), launch_options(cmp_t))
+    wn = win_t["block_n"]
+    wide = wgeo["BLOCK_M"] * wgeo["GP"] >= win_t["rows"]  # as window._forward: else 4 warps, no cap
+    yield ("win fwd", window._fwd_kernel, dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, WINDOW=512), io, (),
+           launch_options(win_t) if wide else dict(num_warps=4, num_stages=win_t["stages"]))
+    bwd = dict(bgeo, PREC="tf32", BLOCK_N=bwd_t["block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
+    opts = dict(num_warps=bwd_t["warps"], num_stages=bwd_t["stages"])
+    dq_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf)
+    dkdv_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32)
+    yield ("cmp bwd dq", attention_bwd._bwd_dq_kernel, bwd, dq_io, (), opts)
+    yield ("cmp bwd dk/dv", attention_bwd._bwd_dkdv_kernel, bwd, dkdv_io, ("sdk_s", "sdv_s"), opts)
     wbwd = dict(bwd, STRIDE=1, OFFSET=0, WINDOW=512)
-    yield ("win bwd dq", K._bwd_dq_kernel, wbwd, dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf), (), opts)
-    yield ("win bwd dk/dv", K._bwd_dkdv_kernel, wbwd,
-           dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32), ("sdk_s", "sdv_s"), opts)
-    sel = dict(G=16, N_SEL=16, L_SEL=64, DK=dk, DV=dv, BLOCK_G=16, PREC="tf32", **selection._meta(dk, dv, 64))
+    yield ("win bwd dq", attention_bwd._bwd_dq_kernel, wbwd, dq_io, (), opts)
+    yield ("win bwd dk/dv", attention_bwd._bwd_dkdv_kernel, wbwd, dkdv_io, ("sdk_s", "sdv_s"), opts)
+    sel_t = tune["selection"]
+    sel = dict(G=16, N_SEL=16, L_SEL=64, DK=dk, DV=dv, BLOCK_G=16, PREC="tf32",
+               **selection._meta(dk, dv, 64, sel_t["block_s"]))
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
         yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated), sel_io, (),
-               dict(num_warps=4, num_stages=2))
+               dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
-                CU_K="*i32"), (), dict(num_warps=4, num_stages=2))
+                CU_K="*i32"), (), dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     for G in (16, 4, 1):  # block-outer kernels at the group sizes the plans of BENCHMARKS.md use
-        GP, BQ = selection._block_q(G, max(dk, dv), 128 if G == 1 else 64)
-        kv = dict(G=G, GP=GP, L_SEL=64, DK=dk, DV=dv, BLOCK_Q=BQ, BLOCK_L=64, BLOCK_DK=selection._np2(dk),
-                  BLOCK_DV=selection._np2(dv), PREC="tf32", INTERP=False)
+        GP, BQ = selection._block_q(G, max(dk, dv), sel_t["rows"] or (128 if G == 1 else 64))
+        kv = dict(G=G, GP=GP, L_SEL=64, DK=dk, DV=dv, BLOCK_Q=BQ, BLOCK_L=64, BLOCK_DK=p2(dk, 16),
+                  BLOCK_DV=p2(dv, 16), PREC="tf32", INTERP=False)
         ent = dict(ENT_ROW="*i32", ENT_SLOT="*i32", ITEM_KEY="*i64", ITEM_START="*i64", ITEM_END="*i64",
                    CU_Q="*i32", CU_K="*i32")
         yield (f"sel fwd kv G{G}", selection._fwd_kv_kernel, kv, dict(Q=bf, K=bf, V=bf, OPART=bf, LPART=f32, **ent),
-               (), dict(num_warps=4, num_stages=2 if G == 1 else 3))
-        GPb, BQb = selection._block_q(G, max(dk, dv), 128)
+               (), dict(num_warps=sel_t["kv_warps"], num_stages=sel_t["kv_stages"] or (2 if G == 1 else 3)))
+        GPb, BQb = selection._block_q(G, max(dk, dv), sel_t["bwd_rows"])
         for write_dq in (False, True):
             yield (f"sel bwd kv G{G}" + (" dq" if write_dq else ""), selection._bwd_kv_kernel,
                    dict(kv, GP=GPb, BLOCK_Q=BQb, WRITE_DQ=write_dq),
                    dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK32=f32, DV32=f32, DQPART=bf if write_dq else f32,
                         **ent), (),
-                   dict(num_warps=8, num_stages=2))
+                   dict(num_warps=sel_t["bwd_warps"], num_stages=sel_t["bwd_stages"]))
     if dk == 128:
         for gated in (False, True):
             yield ("sel combine" + (" gated" if gated else ""), selection._combine_kernel,
-                   dict(N_SEL=16, DV=dv, BLOCK_R=16, BLOCK_N=16, BLOCK_DV=selection._np2(dv), GATED=gated),
+                   dict(N_SEL=16, DV=dv, BLOCK_R=16, BLOCK_N=16, BLOCK_DV=p2(dv, 16), GATED=gated),
                    dict(OPART=bf, LPART=f32, O=bf, LSE=f32, OC=bf, OW=bf, GT=bf), (), dict(num_warps=4))
     yield ("sel dq combine", selection._dq_combine_kernel,
-           dict(G=16, N_SEL=16, DK=dk, BLOCK_R=16, BLOCK_DK=selection._np2(dk)),
+           dict(G=16, N_SEL=16, DK=dk, BLOCK_R=16, BLOCK_DK=p2(dk, 16)),
            dict(DQPART=bf, IDX="*i32", DQ=bf), (), dict(num_warps=4))
     if dk == 128:
         for width in (1, 64, 1024):  # the smallest, a middle and the 64k top-n bucket
-            rb = _cmp_ops.topn_rows(width, 16, tune)
-            yield (f"top-n width {width}", K._topn_kernel,
+            rb = topn.topn_rows(width, 16, tune["topn"])
+            yield (f"top-n width {width}", topn._topn_kernel,
                    dict(H=4, NBP=width, N_SEL=16, NSP=16, N_INIT=1, N_LOCAL=2, L_SEL=64, RB=rb,
-                        SEG=min(_cmp_ops.TOPN_SEG, width)),
-                   dict(SC=f32, IDX="*i64"), ("ssc_b", "sidx_b"), dict(num_warps=tune["topn_warps"]))
-        g = dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=gate.BLOCK_R)
-        yield ("gated sum fwd", gate._gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), dict(num_warps=4))
+                        SEG=min(topn.TOPN_SEG, width)),
+                   dict(SC=f32, IDX="*i64"), ("ssc_b", "sidx_b"), dict(num_warps=tune["topn"]["warps"]))
+        g = dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=tune["gate"]["rows"])
+        gw = dict(num_warps=tune["gate"]["warps"])
+        yield ("gated sum fwd", gate._gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), gw)
         yield ("gated sum bwd", gate._gate_bwd_kernel, g,
-               dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), dict(num_warps=4))
+               dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), gw)
         yield ("row dot (delta)", rowdot._row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
                dict(A=bf, B=bf, OUT=f32), (), dict(num_warps=4))
     yield from decode_cases(dk, dv)
@@ -176,49 +179,33 @@ def cases(dk, dv):
 def decode_cases(dk, dv, n_sm=132, max_len=65536):
     """The decode-step kernels as ``DecodeKernels`` launches them on CUDA (H200: 132 SMs) for
     ``model=h200bench`` at B=1 and B=64, caches of 64k tokens."""
-    H, G, L, D, LS, N_SEL, W = 4, 16, 32, 16, 64, 16, 512
+    cfg = NSAConfig(dim=8192, n_heads=64, n_kv_heads=4, d_k=dk, d_v=dv, l=32, d=16, l_sel=64, n_sel=16, w=512)
+    H, G = cfg.n_kv_heads, cfg.G
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     for B in (1, 64):
-        p = _decode_params(B, H, G, dk, dv, L, D, LS, N_SEL, W, max_len, n_sm)
+        p = decode.launch_params(cfg, B, max_len, gpu=True, n_sm=n_sm, tune=tuning.params("decode", "cuda"))
         common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"])
-        yield (f"dec cmp partial B{B}", dK._dec_cmp_partial,
-               dict(common, DK=dk, DV=dv, L=L, D=D, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"], PREC="tf32",
-                    COUNT=False, SMALL_DOT=False),
+        yield (f"dec cmp partial B{B}", decode._dec_cmp_partial,
+               dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
+                    PREC="tf32", COUNT=False, SMALL_DOT=False),
                dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32,
-                    cnt_ptr=i32), (), dict(num_warps=4), ("qk_scale",))
-        yield (f"dec cmp topk B{B}", dK._dec_cmp_topk,
-               dict(common, DV=dv, L=L, D=D, LS=LS, NSC=p["nsc"], NSC_PAD=p["NSC_PAD"], N_SEL=N_SEL, N_INIT=1,
-                    N_LOCAL=2, BLOCK_T=256, NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], DO_TOPK=True),
+                    cnt_ptr=i32), (), dict(num_warps=p["warps"]), ("qk_scale",))
+        yield (f"dec cmp topk B{B}", decode._dec_cmp_topk,
+               dict(common, DV=dv, L=cfg.l, D=cfg.d, LS=cfg.l_sel, NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2),
+                    N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"],
+                    BSEL=p["BSEL"], DO_TOPK=True),
                dict(pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, psum_ptr=f32, ocmp_ptr=f32,
-                    idx_ptr=i32), (), dict(num_warps=8), ())
-        yield (f"dec sel/win B{B}", dK._dec_sv_partial,
-               dict(common, DK=dk, DV=dv, LS=LS, W=W, N_SEL=N_SEL, NS_SEL=p["ns_sel"], SEL_PER=p["sel_per"],
-                    SEL_VEC=p["sel_vec"], NS_TOT=p["ns_sel"] + p["ns_win"], WIN_PER=p["win_per"], NWC=p["nwc"],
-                    SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False),
+                    idx_ptr=i32), (), dict(num_warps=p["topk_warps"]), ())
+        yield (f"dec sel/win B{B}", decode._dec_sv_partial,
+               dict(common, DK=dk, DV=dv, LS=cfg.l_sel, W=cfg.w, N_SEL=cfg.n_sel, NS_SEL=p["ns_sel"],
+                    SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
+                    NWC=p["nwc"], SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False),
                dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
-                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=4), ("qk_scale",))
-        yield (f"dec combine B{B}", dK._dec_combine,
-               dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_sel"] + p["ns_win"], HAS_CMP=True, HAS_SEL=True,
-                    HAS_WIN=True),
-               dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (), dict(num_warps=4),
-               ())
-
-
-def _decode_params(B, H, G, dk, dv, L, D, LS, N_SEL, W, max_len, n_sm):
-    """``DecodeKernels``'s CUDA launch parameters (its defaults, no overrides)."""
-    p2 = lambda n, lo=1: max(lo, 1 << max(0, (int(n) - 1).bit_length()))  # noqa: E731
-    tcs = max((max_len - L) // D + 1, 1)
-    nsc = max(1, min(-(-4 * n_sm // (B * H)), -(-tcs // (4 * 64)), 32))
-    big = B * H >= n_sm
-    sel_per = win_per = 4 if big else 1
-    nwc = -(-min(W, max_len) // 64)
-    return dict(BG=p2(G, 16), BDK=p2(dk, 16), BDV=p2(dv, 16), block_c=64, nsc=nsc, NSC_PAD=p2(nsc, 2),
-                NB_PAD=p2(-(-max_len // LS), 16), BSEL=p2(N_SEL, 2), BLS=p2(LS, 16), bw=64, nwc=nwc,
-                sel_per=sel_per, sel_vec=1, win_per=win_per, ns_sel=-(-N_SEL // sel_per), ns_win=-(-nwc // win_per))
-
-
-class _Cuda:
-    type = "cuda"
+                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=p["warps"]), ("qk_scale",))
+        yield (f"dec combine B{B}", decode._dec_combine,
+               dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP=True, HAS_SEL=True, HAS_WIN=True),
+               dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (),
+               dict(num_warps=p["warps"]), ())
 
 
 def main():

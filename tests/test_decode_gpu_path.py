@@ -1,8 +1,8 @@
-"""The GPU decode path (nsa.decode.GraphDecoder, kernels in nsa/backends/triton/_dec_kernels.py)
-against the reference decode (the module's own cached forward) and one prefill.
+"""The GPU decode path (nsa.decode.GraphDecoder, kernels in nsa/backends/triton/decode.py) against
+the reference decode (the module's own cached forward) and one prefill.
 
 Runs the Triton kernels through the interpreter on CPU tensors, float32, tiny shapes: eager steps
-(CUDA graphs are GPU-only; scripts/bench_decode.py checks the captured graph in bf16 on a GPU).
+(CUDA graphs are GPU-only; experiments.decode runs the captured graphs in bf16 on a GPU).
 Covers B=1 from an empty cache (no compressed token visible, fewer candidates than n_sel, the first
 emissions) and B=3 after a prefill (more candidates than n_sel, emissions at t = i*d + l - 1),
 G in {2, 4}, Dk != Dv, split-KV partials (several splits per branch), forced-branch outputs, and
@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from nsa import NSAAttention, NSAConfig, reference
-from nsa.backends.triton import triton_unsupported
+from nsa import NSAAttention, NSAConfig, dispatch, reference
+from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning
 from nsa.decode import GraphDecoder, tokens_read
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
@@ -100,8 +100,8 @@ CASES = [
 IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
 
 
-@pytest.mark.parametrize("B,HQ,H,Dk,Dv,P,steps,over,tuning", CASES, ids=IDS)
-def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, tuning):
+@pytest.mark.parametrize("B,HQ,H,Dk,Dv,P,steps,over,over_tuning", CASES, ids=IDS)
+def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, over_tuning):
     torch.manual_seed(0)
     cfg = _cfg(HQ, H, Dk, Dv, **over)
     m = NSAAttention(cfg).eval()
@@ -110,15 +110,17 @@ def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, 
     with torch.no_grad():
         y_prefill = m(x)
     cache, cref = m.new_cache(B, T), m.new_cache(B, T)
-    dec = GraphDecoder(m, cache, tuning=tuning)
-    assert dec.kernels.nsc >= 2 and dec.kernels.ns_sel >= 2  # split-KV partials are combined
+    with tuning.overrides({"decode": over_tuning}):
+        dec = GraphDecoder(m, cache)
+    p = dec.kernel_params()
+    assert p["nsc"] >= 2 and p["ns_sel"] >= 2  # split-KV partials are combined
     if P:
         dec.prefill(x[:, :P])
         with torch.no_grad():
             m(x[:, :P], cref)
     for t in range(P, T):
-        dec.kernels.out.fill_(float("nan"))
-        y = dec.step(x[:, t:t + 1])
+        with poisoned_outputs():  # the kernels' output workspace is NaN until they write it
+            y = dec.step(x[:, t:t + 1])
         with torch.no_grad():
             y_ref = m(x[:, t:t + 1], cref)
         assert cache.length == cref.length == t + 1
@@ -140,19 +142,20 @@ def test_forced_branches_and_token_counts():
     B, T = 2, 46
     x = torch.randn(B, T, cfg.dim) * 2
     cache = m.new_cache(B, T)
-    dec = GraphDecoder(m, cache, tuning={"block_c": 4, "nsc": 2})
+    with tuning.overrides({"decode": {"block_c": 4, "nsc": 2}}):
+        dec = GraphDecoder(m, cache)
     dec.prefill(x[:, :T - 1])
     t = T - 1
     y = dec.step(x[:, t:t + 1], count=True)
+    cnt = dec.token_counts()
     q, g = dec.last["q"], dec.last["gates"]
     ref, idx = _reference_branches(cfg, cache, q, t)
     assert torch.equal(dec.indices(), idx)
-    dec.pos.fill_(t)  # attend again at the same position, one branch at a time
-    full = dec.attend(q, g).clone()
+    full = dec.attend(q, g, position=t).clone()  # attend again at the same position, one branch at a time
     parts = {}
     for i, b in enumerate(("cmp", "sel", "win")):
-        dec.kernels.out.fill_(float("nan"))
-        o = dec.attend(q, g, branches=(b,)).clone()
+        with poisoned_outputs():
+            o = dec.attend(q, g, branches=(b,)).clone()
         torch.testing.assert_close(o, g[..., i, None] * ref[b], **TOL, msg=f"branch {b}")
         parts[b] = o
     torch.testing.assert_close(full, parts["cmp"] + parts["sel"] + parts["win"], **TOL)
@@ -160,7 +163,7 @@ def test_forced_branches_and_token_counts():
 
     # token counters (from the kernels' load masks) == independent counts from the indices
     S = t + 1
-    cnt = dec.kernels.counts.view(B, cfg.n_kv_heads, 3).long()
+    assert cnt.shape == (B, cfg.n_kv_heads, 3) and cnt.dtype == torch.int64
     ind = tokens_read(cfg, S, dec.indices())
     assert torch.equal(cnt[..., 0], ind["cmp"]) and torch.equal(cnt[..., 1], ind["sel"])
     assert torch.equal(cnt[..., 2], ind["win"])
@@ -185,7 +188,8 @@ def test_decode_chunk_equals_prefill():
     x = torch.randn(1, 14, cfg.dim)
     with torch.no_grad():
         y_prefill = m(x)
-    dec = GraphDecoder(m, m.new_cache(1, 14), tuning={"nsc": 1})
+    with tuning.overrides({"decode": {"nsc": 1}}):
+        dec = GraphDecoder(m, m.new_cache(1, 14))
     dec.prefill(x[:, :9])
     torch.testing.assert_close(dec.decode(x[:, 9:]), y_prefill[:, 9:], **TOL)
 
@@ -203,3 +207,22 @@ def test_step_guards():
         dec.step(torch.randn(1, 1, cfg.dim))
     with pytest.raises(RuntimeError, match="CUDA"):
         dec.capture()
+
+
+def test_decoder_goes_through_the_dispatch():
+    """The decode kernels come from the backend chosen through nsa.dispatch: record() names it for
+    every branch of a step, and a backend that cannot run here (a backend without decode kernels,
+    mixed backends) is refused at construction, naming branch and reason."""
+    cfg = _cfg(4, 2, 16, 16)
+    m = NSAAttention(cfg).eval()
+    dec = GraphDecoder(m, m.new_cache(1, 4))
+    with dispatch.record() as rec:
+        dec.step(torch.randn(1, 1, cfg.dim))
+    assert rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
+    with dispatch.record() as rec:
+        dec.attend(dec.last["q"], dec.last["gates"], position=0, branches=("win",))
+    assert rec.ran == {"win": "triton"}
+    with pytest.raises(dispatch.BackendUnavailable, match="'reference' cannot run branches cmp, sel, win in GraphDecoder"):
+        GraphDecoder(m, m.new_cache(1, 4), backend="reference")
+    with pytest.raises(ValueError, match="one backend"):
+        GraphDecoder(m, m.new_cache(1, 4), backend={"cmp": "triton", "sel": "triton", "win": "reference"})

@@ -4,8 +4,8 @@
 Kernels run through Triton's interpreter on CPU tensors at tiny shapes (tiles of 16 rows / 16 keys,
 so a few rows and keys cross tile borders). float32: outputs and gradients tight, indices exactly
 equal on random inputs and on constructed ties; float16: outputs against the reference on upcast
-inputs. Outputs are NaN-poisoned before the kernels write them. bfloat16 is checked on a GPU by
-scripts/bench_cmp_win.py (the interpreter's bf16 dot is wrong).
+inputs. Outputs are NaN-poisoned before the kernels write them. bfloat16 runs on a GPU only (the
+interpreter's bf16 dot is wrong, so the backend refuses it there: test_triton_refuses_bf16_in_the_interpreter).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from nsa import NSAConfig, reference  # noqa: E402
-from nsa.backends.triton import _cmp_ops  # noqa: E402
+from nsa.backends.triton import compressed, poisoned_outputs, topn, triton_unsupported, tuning  # noqa: E402
 from nsa.backends.triton.compressed import compressed_branch  # noqa: E402
-from nsa.backends.triton import triton_unsupported  # noqa: E402
 from nsa.backends.triton.window import sliding_window_attention  # noqa: E402
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
@@ -37,16 +36,15 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setattr(_cmp_ops, "POISON", True)
-    monkeypatch.setitem(
-        _cmp_ops.TUNE,
-        "cpu",
-        # lse_n != block_n and win_rows != rows: pass 1 and the window use their own tiles
-        dict(rows=16, block_n=16, warps=4, stages=1, lse_n=32, win_rows=32, win_block_n=16, win_warps=4,
-             win_stages=1, bwd_rows=16, bwd_block_n=16, bwd_warps=4, bwd_stages=1, bwd_programs=8, bwd_split_max=4,
-             topn_elems=64, topn_warps=2),  # top-n: 4 to 64 rows per program at these widths
-    )
+def _poison():
+    # lse_n != block_n and window rows != compressed rows: pass 1 and the window use their own tiles;
+    # top-n: 4 to 64 rows per program at these widths
+    small = {"compressed": dict(rows=16, block_n=16, warps=4, stages=1, lse_n=32),
+             "window": dict(rows=32, block_n=16, warps=4, stages=1),
+             "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4),
+             "topn": dict(elems=64, warps=2)}
+    with poisoned_outputs(), tuning.overrides(small):
+        yield
 
 
 def cfg_of(HQ, H, Dk, Dv, l=8, d=4, l_sel=8, n_sel=4, w=16, n_init=1, n_local=2):  # noqa: E741
@@ -129,13 +127,13 @@ def test_compressed_fp32_forward_indices_and_grads(case):
 
 @pytest.mark.parametrize("score_lo", [True, False])
 @pytest.mark.parametrize("case", [CMP_CASES[i] for i in (0, 3, 4, 5, 6, 8)], ids=[CMP_IDS[i] for i in (0, 3, 4, 5, 6, 8)])
-def test_compressed_fp16_forward(case, score_lo, monkeypatch):
+def test_compressed_fp16_forward(case, score_lo):
     """Half inputs take the tensor-core score path: p as fp16 (score_lo=False) or fp16 plus its fp16
     remainder (score_lo=True, the CUDA default); the mass past a tile's end (the blocks its last keys
     reach: none with l = d, two with l - d > l_sel) in float32."""
-    monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
     cfg, qs, q, k, v = cmp_inputs(case, torch.float16, seed=3)
-    o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
+    with tuning.overrides({"compressed": {"score_lo": score_lo}}):
+        o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
     ro, ridx = reference.compressed_branch(q.float(), k.float(), v.float(), cfg, q_start=qs)
     assert o.dtype == torch.float16
     close(o, ro, 4e-3)
@@ -151,12 +149,11 @@ def test_block_scores_match_reference(case, dtype, score_lo, tol, monkeypatch):
     """The kernel's Eq. 9/10 block scores themselves (the buffer the top-n reads), every candidate
     block j <= t // l_sel, against ``reference.selection_scores`` in float64 on the same inputs:
     main blocks, the mass carried past each tile's end, the last tile's carry."""
-    monkeypatch.setitem(_cmp_ops.TUNE["cpu"], "score_lo", score_lo)
     cfg, qs, q, k, v = cmp_inputs(case, dtype, seed=13)
     got = []
-    real = _cmp_ops.topn_launch
-    monkeypatch.setattr(_cmp_ops, "topn_launch", lambda sc, *a: got.append(sc.clone()) or real(sc, *a))
-    compressed_branch(q, k, v, cfg, q_start=qs)
+    monkeypatch.setattr(compressed, "topn_launch", lambda sc, *a: got.append(sc.clone()) or topn.topn_launch(sc, *a))
+    with tuning.overrides({"compressed": {"score_lo": score_lo}}):
+        compressed_branch(q, k, v, cfg, q_start=qs)
     Tq = q.shape[1]
     nb = cfg.n_blocks(qs + Tq)
     _, p = reference.compressed_attention(q.double(), k.double(), v.double(), cfg, q_start=qs)
@@ -213,24 +210,22 @@ def test_topn_kernel_matches_select_blocks(nb, c, q_start, forcing):
     g = torch.Generator().manual_seed(nb)
     scores = torch.randint(0, 4, (2, c, 2, nb), generator=g).float() / 4  # many exact ties
     out = torch.full((2, c, 2, cfg.n_sel), -7, dtype=torch.int64)
-    _cmp_ops.topn_launch(scores, out, q_start, nb, cfg)
-    ref = reference.select_blocks(scores, cfg, q_start=q_start)
-    assert torch.equal(out, ref)
-    assert torch.equal(_cmp_ops.topn_blocks(scores, cfg, q_start), ref)
+    topn.topn_launch(scores, out, q_start, nb, cfg)
+    assert torch.equal(out, reference.select_blocks(scores, cfg, q_start=q_start))
 
 
 def test_topn_launch_rejects_too_few_blocks():
     cfg = cfg_of(4, 2, 16, 16, l_sel=4, n_sel=5)
     scores = torch.zeros(1, 30, 2, 7)  # position 29 has 8 candidate blocks
     with pytest.raises(ValueError, match="nb=7"):
-        _cmp_ops.topn_launch(scores, torch.empty(1, 30, 2, 5, dtype=torch.int64), 0, 7, cfg)
+        topn.topn_launch(scores, torch.empty(1, 30, 2, 5, dtype=torch.int64), 0, 7, cfg)
 
 
-def test_compressed_chunked_score_buffer(monkeypatch):
+def test_compressed_chunked_score_buffer():
     """A score buffer smaller than all queries: several chunks, same result."""
     cfg, qs, q, k, v = cmp_inputs(CMP_CASES[4], torch.float32, seed=7)
-    monkeypatch.setattr(_cmp_ops, "SCORE_BUFFER_BYTES", 4 * 20 * 16)  # 16 rows of 20 blocks
-    o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
+    with tuning.overrides({"compressed": {"score_buffer_bytes": 4 * 20 * 16}}):  # 16 rows of 20 blocks
+        o, idx = compressed_branch(q, k, v, cfg, q_start=qs)
     ro, ridx = reference.compressed_branch(q, k, v, cfg, q_start=qs)
     close(o, ro, 1e-5)
     assert torch.equal(idx, ridx)
@@ -244,18 +239,18 @@ def test_on_scored_runs_once_before_the_last_top_n(monkeypatch, chunked):
     from nsa import dispatch
 
     cfg, qs, q, k, v = cmp_inputs(CMP_CASES[4], torch.float32, seed=7)
-    if chunked:
-        monkeypatch.setattr(_cmp_ops, "SCORE_BUFFER_BYTES", 4 * 20 * 16)  # 16 rows of 20 blocks: 4 chunks
     log = []
-    real_fwd, real_topn = _cmp_ops._fwd_kernel, _cmp_ops.topn_launch
+    real_fwd = compressed._fwd_kernel
 
     class Spy:  # records each launch of the attention/scoring kernel
         def __getitem__(self, grid):
             return lambda *a, **kw: log.append("kernel") or real_fwd[grid](*a, **kw)
 
-    monkeypatch.setattr(_cmp_ops, "_fwd_kernel", Spy())
-    monkeypatch.setattr(_cmp_ops, "topn_launch", lambda *a: log.append("topn") or real_topn(*a))
-    o, idx = compressed_branch(q, k, v, cfg, q_start=qs, on_scored=lambda: log.append("scored"))
+    monkeypatch.setattr(compressed, "_fwd_kernel", Spy())
+    monkeypatch.setattr(compressed, "topn_launch", lambda *a: log.append("topn") or topn.topn_launch(*a))
+    # chunked: 16 rows of 20 blocks per chunk, 4 chunks
+    with tuning.overrides({"compressed": {"score_buffer_bytes": 4 * 20 * 16 if chunked else 1 << 30}}):
+        o, idx = compressed_branch(q, k, v, cfg, q_start=qs, on_scored=lambda: log.append("scored"))
     assert log.count("scored") == 1 and log[-1] == "topn" and log[-2] == "scored"
     assert log.count("kernel") == (4 if chunked else 1) and log.index("scored") > max(
         i for i, e in enumerate(log) if e == "kernel")

@@ -4,8 +4,8 @@ Runs the kernels through Triton's interpreter on CPU tensors at tiny shapes, in 
 float16 (reference on upcast inputs), both kernel families ("query"-outer and "block"-outer),
 G in {1,2,3,4,16}, Dk != Dv, non-power-of-two dims, T not a multiple of l_sel, -1 padding, decode-like
 q_start > 0, batched and varlen layouts. Outputs are poisoned with NaN so an unwritten element fails.
-bfloat16 is not tested here: the interpreter's bf16 dot is wrong; scripts/bench_selection.py checks
-bf16 on a GPU.
+bfloat16 is not tested here: the interpreter's bf16 dot is wrong (the backend refuses it there);
+bf16 runs on a GPU (experiments.parity).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from nsa import NSAConfig, reference
-from nsa.backends.triton import triton_unsupported, selection
+from nsa.backends.triton import poisoned_outputs, selection, triton_unsupported, tuning
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
 pytestmark = pytest.mark.skipif(_OLD_INTERPRETER is not None, reason=_OLD_INTERPRETER or "")
@@ -82,9 +82,8 @@ def _rel(a, b):
 
 @pytest.fixture(autouse=True)
 def _poison():
-    selection.POISON = True
-    yield
-    selection.POISON = False
+    with poisoned_outputs():
+        yield
 
 
 def _check(fn, cfg, q_start, xs, w, idx, dtype, ref_fn=None):
@@ -112,8 +111,8 @@ def test_selected_attention_matches_reference(case, dtype, mode):
 
     def fn(q, k, v, i):
         # query mode: dq from the query-outer kernel (dq_part=False); block mode: dq per slot
-        opts = {"dq_part": False} if mode == "query" else None
-        return selection.selected_attention(q, k, v, i, cfg, q_start=q_start, mode=mode, opts=opts)
+        with tuning.overrides({"selection": {"mode": mode, "dq_part": mode == "block"}}):
+            return selection.selected_attention(q, k, v, i, cfg, q_start=q_start)
 
     _check(fn, cfg, q_start, xs, w, idx, dtype)
 
@@ -150,8 +149,8 @@ def test_varlen_matches_per_sequence_reference(mode):
     idx = torch.cat([random_indices(cfg, 1, n, 0, n, g)[0] for n in lens])
 
     def fn(q, k, v, i):
-        return selection.selected_attention_varlen(q, k, v, i, cu, cfg, mode=mode,
-                                                   opts={"dq_part": False} if mode == "query" else None)
+        with tuning.overrides({"selection": {"mode": mode, "dq_part": mode == "block"}}):
+            return selection.selected_attention_varlen(q, k, v, i, cu, cfg)
 
     def ref(q, k, v, i):
         outs = [reference.selected_attention(q[None, a:b], k[None, a:b], v[None, a:b], i[None, a:b], cfg)[0]
@@ -187,7 +186,8 @@ def test_selected_gated_matches_reference(case, dtype, mode):
     Dv = xs[2].shape[-1]
     o_cmp, o_win = (torch.randn(B, Tq, HQ, Dv, generator=g).to(dtype) for _ in range(2))
     gates = torch.rand(B, Tq, HQ, 3, generator=g).to(dtype)
-    o = selection.selected_gated(*xs, idx, cfg, o_cmp, o_win, gates, q_start=q_start, mode=mode)
+    with tuning.overrides({"selection": {"mode": mode}}):
+        o = selection.selected_gated(*xs, idx, cfg, o_cmp, o_win, gates, q_start=q_start)
     o_sel = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
     gg = gates.to(F64).unsqueeze(-1)
     ref = gg[..., 0, :] * o_cmp.to(F64) + gg[..., 1, :] * o_sel + gg[..., 2, :] * o_win.to(F64)

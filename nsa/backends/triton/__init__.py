@@ -3,17 +3,24 @@
 Runs on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (see ``nsa.env``), which is
 how CI tests every kernel at small shapes. Each operator keeps the reference's signature
 (``nsa.reference``): ``compressed`` (compressed attention + Eq. 9-12 top-n), ``selected``,
-``window``, the fused gated sum ``combine``, and ``selected_gated`` (the selected branch with the
-gated sum in its epilogue, for forwards that need no gradient).
+``window``, the fused gated sum ``combine``, ``selected_gated`` (the selected branch with the
+gated sum in its epilogue, for forwards that need no gradient) and ``decode_kernels`` (the fused
+decode step of ``nsa.decode.GraphDecoder``).
+
+One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12), ``selection``,
+``window``, ``attention_bwd`` (the compressed and window backward), ``gate`` (Eq. 5), ``rowdot``
+(the backward's delta), ``decode``; ``tiles`` holds the @triton.jit helpers several of them share,
+``utils`` the host-side ones, ``tuning`` every launch parameter.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
 from ... import env
 from ...dispatch import Backend
+from .utils import poisoned_outputs
+
+__all__ = ["BACKEND", "TritonBackend", "poisoned_outputs", "triton_unsupported"]
 
 
 def triton_unsupported() -> str | None:
@@ -64,19 +71,9 @@ class TritonBackend(Backend):
         from .selection import selected_gated  # Eq. 5 in the selection kernel's epilogue
         return selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, scale=scale, q_start=q_start)
 
+    def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
+        from .decode import DecodeKernels
+        return DecodeKernels(config, B, max_len, device, dtype=dtype, n_sm=n_sm)
+
 
 BACKEND = TritonBackend()
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Inside this block the prefill kernels allocate their outputs (and gradients) filled with NaN,
-    so an element a kernel fails to write shows up as NaN in any comparison (tests, parity runs)."""
-    from . import _cmp_ops, selection
-
-    saved = (_cmp_ops.POISON, selection.POISON)
-    _cmp_ops.POISON = selection.POISON = True
-    try:
-        yield
-    finally:
-        _cmp_ops.POISON, selection.POISON = saved

@@ -5,7 +5,8 @@
 
 One pass over rows (query, head) in float32, so the three 1 GB products at 64k are never written
 separately (the plain PyTorch expression reads and writes about 12 bytes per output byte; this
-kernel reads 3 and writes 1 forward, reads 4 and writes 3 backward).
+kernel reads 3 and writes 1 forward, reads 4 and writes 3 backward). Launch parameters:
+``tuning.params("gate")``.
 """
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
@@ -14,11 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _interp  # noqa: F401  (interpreter shim, applied on import)
-from ._cmp_ops import _out  # outputs NaN-filled under poisoned_outputs()
-from .rowdot import row_tile
-
-BLOCK_R = 16
+from . import tuning
+from .tiles import row_tile
+from .utils import empty
 
 
 @triton.jit
@@ -68,10 +67,12 @@ class GatedSum(torch.autograd.Function):
         gates = gates.contiguous()
         D = xs[0].shape[-1]
         n_rows = xs[0].numel() // max(D, 1)
-        o = _out(xs[0].shape, xs[0])
+        o = empty(xs[0].shape, xs[0])
+        tune = ctx.tune = tuning.params("gate", o.device)
         if n_rows:
-            _gate_fwd_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-                *xs, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+            _gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+                *xs, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
+                num_warps=tune["warps"])
         ctx.save_for_backward(*xs, gates)
         return o
 
@@ -81,12 +82,13 @@ class GatedSum(torch.autograd.Function):
         do = do.contiguous()
         D = oc.shape[-1]
         n_rows = oc.numel() // max(D, 1)
-        d_o = [_out(x.shape, x) for x in (oc, os_, ow)]
-        dg = _out(gates.shape, gates)
+        d_o = [empty(x.shape, x) for x in (oc, os_, ow)]
+        dg = empty(gates.shape, gates)
+        tune = ctx.tune
         if n_rows:
-            _gate_bwd_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-                oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R,
-                num_warps=4)
+            _gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+                oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
+                num_warps=tune["warps"])
         return (*d_o, dg)
 
 

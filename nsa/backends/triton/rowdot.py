@@ -2,8 +2,8 @@
 head) as one Triton pass in float32.
 
 The PyTorch expression ``(do.float() * o.float()).sum(-1)`` writes two float32 copies and their
-product: about 15 bytes moved per input element, ~4 ms per branch at 64k on the H200 for 1 GB of
-bf16 dO. This kernel reads each input once (4 bytes per element for bf16 dO and O).
+product: about 15 bytes moved per input element. This kernel reads each input once (4 bytes per
+element for bf16 dO and O); BENCHMARKS.md ("Tuning choices") has the time it saves.
 """
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
@@ -12,19 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _interp  # noqa: F401  (interpreter shim, applied on import)
+from .tiles import row_tile
 
-BLOCK_R = 32
-
-
-@triton.jit
-def row_tile(n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's BLOCK_R rows of a contiguous [n_rows, D] tensor (columns padded to BD):
-    (rows r, row mask, element mask, element offsets); offsets in int64."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BD)
-    ok = r < n_rows
-    return r, ok, ok[:, None] & (d[None, :] < D), r[:, None] * D + d[None, :]
+BLOCK_R = 32  # rows per program
 
 
 @triton.jit

@@ -4,7 +4,8 @@ Same contract as ``nsa.reference.selected_attention``: q ``[B,Tq,HQ,Dk]``, k ``[
 v ``[B,S,H,Dv]``, indices ``[B,Tq,H,n_sel]`` (-1 entries ignored); query row i sits at absolute
 position t = q_start + i and attends to the raw tokens u <= t (u < S) of its selected blocks
 (block j = tokens [j*l_sel, (j+1)*l_sel)). Query head h reads key/value head h // G. Differentiable
-in q, k, v. ``selected_attention_varlen`` takes the packed layout with ``cu_seqlens``.
+in q, k, v. ``selected_attention_varlen`` takes the packed layout with ``cu_seqlens``. Launch
+parameters, and which kernel family runs: ``tuning.params("selection")``.
 
 Two kernel families, both group-centric (paper Fig. 3: the G heads of a group share the blocks and
 each key/value tile is loaded once for all of them):
@@ -20,43 +21,20 @@ each key/value tile is loaded once for all of them):
   per chunk, not per query), and dQ either per slot (when those partials fit) or by the
   query-outer kernel.
 
-Measured on one H200 (bf16, B=1, H=4, D=128, l_sel=64, n_sel=16, random selections, T=64k;
-scripts/bench_selection.py): G=16 query-outer fwd 17.3 ms, fwd+bwd 57.0 ms (53.7 with dq per slot);
-G=4 block-outer 6.3 / 17.5 ms; G=1 block-outer 2.6 / 6.1 ms. The G=16 forward moves ~137 GB of
-gathered K/V through L2 (~7.9 TB/s), which bounds the query-outer design.
-
 Softmax statistics are kept in base 2 (``lse2 = log2 sum exp2(scale*log2(e)*q.k)``). All offsets
 are computed in int64. Accumulation is fp32; fp32 inputs use IEEE fp32 products (no tf32).
 """
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .gate import gate_rows
 from .rowdot import row_dot
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-
-# Tests set this: outputs that a kernel must fully write are then allocated filled with NaN, so an
-# unwritten element shows.
-POISON = False
-
-
-def _alloc(shape, device, dtype):
-    if POISON:
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-    return torch.empty(shape, device=device, dtype=dtype)
-
-
-def _np2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
+from .utils import LOG2E, default_scale, dot_precision, empty, interpreted, p2
 
 
 @triton.jit
@@ -441,33 +419,25 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows):
                 item_end=item_end, n_items=n_items)
 
 
-def _prec(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# Block-outer partial buffers (outputs and dq per slot) above this size go to the query-outer kernels.
-PART_BYTES_MAX = 8 << 30
-
-
-def _choose_mode(mode, G, l_sel, part_bytes, n_rows):
-    """"auto": block-outer for G < 16 (measured on H200: G=4 at 64k, 2.6x faster than query-outer
-    forward), query-outer for G >= 16, when the per-slot partials would exceed PART_BYTES_MAX, or
-    for few query rows (decode: the block-outer plan costs a sort and a host sync)."""
+def _choose_mode(tune, G, l_sel, part_bytes, n_rows):
+    """The kernel family: ``tune["mode"]``, where "auto" takes block-outer for G < 16 (where small
+    groups leave query-outer tiles mostly empty; BENCHMARKS.md, "Tuning choices") and query-outer for
+    G >= 16, when the per-slot partials would exceed ``part_bytes_max``, or for few query rows
+    (decode: the block-outer plan costs a sort and a host sync)."""
+    mode = tune["mode"]
     if mode == "auto":
-        mode = "block" if G < 16 and part_bytes <= PART_BYTES_MAX and n_rows >= 512 else "query"
+        mode = "block" if G < 16 and part_bytes <= tune["part_bytes_max"] and n_rows >= 512 else "query"
     if mode == "block" and l_sel > 128:
         mode = "query"  # a whole selection block is one tile in the block-outer kernels
-    if mode not in ("block", "query"):
-        raise ValueError(f"selected_attention: mode={mode!r}; choose 'auto', 'block' or 'query'")
     return mode
 
 
-def _meta(Dk, Dv, l_sel, block_s=None):
-    BLOCK_S = min(block_s or 64, _np2(l_sel))
-    return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv))
+def _meta(Dk, Dv, l_sel, block_s):
+    BLOCK_S = min(block_s, p2(l_sel, 16))
+    return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16))
 
 
-def _block_q(G, Dmax, rows=64):
+def _block_q(G, Dmax, rows):
     """(GP, BLOCK_Q): rows of a block-outer tile = BLOCK_Q queries x GP heads."""
     GP = triton.next_power_of_2(G)
     rows = rows if Dmax <= 128 else min(rows, 32)
@@ -479,39 +449,33 @@ def _part_dtype(dtype):
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def _interp(x):
-    return x.device.type == "cpu"
-
-
-def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts, gated=None):
+def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
     """o, lse, plan. ``gated`` = (o_cmp [Nq,HQ,Dv], o_win (o's layout), gates [Nq,HQ,3]), all
     contiguous: o is then Eq. 5's gated sum, computed in the epilogue (lse stays the branch's own)."""
     Nq, HQ, Dk = q.shape
     H, Dv = k.shape[1], v.shape[2]
     G = HQ // H
     n_sel = idx.shape[2]
-    o = _alloc((Nq, HQ, Dv), q.device, q.dtype)
-    lse = _alloc((Nq, HQ), q.device, torch.float32)
+    o = empty((Nq, HQ, Dv), q)
+    lse = empty((Nq, HQ), q, torch.float32)
     oc, ow, gt = gated if gated is not None else (o, o, lse)  # unread when not GATED
-    prec = _prec(q.dtype)
+    prec = dot_precision(q.dtype)
     scale_log2 = scale * LOG2E
     plan = None
     if Nq == 0:
         return o, lse, plan
     if mode == "query":
-        mt = _meta(Dk, Dv, l_sel, opts.get("block_s"))
         _fwd_q_kernel[(Nq, H)](
             q, k, v, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
             lay.q_start, scale_log2,
-            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec, GATED=gated is not None,
-            num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2), **mt)
+            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec, GATED=gated is not None,
+            num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
         return o, lse, plan
-    # measured on H200 (64k, D=128): G=1 best at 128 rows / 2 stages, G=4 at 64 rows / 3 stages
-    GP, BQ = _block_q(G, max(Dk, Dv), opts.get("rows", 128 if G == 1 else 64))
-    plan = _block_outer_plan(idx, lay, H, G, opts.get("chunk_rows", 2048))
-    opart = _alloc((Nq, HQ, n_sel, Dv), q.device, _part_dtype(q.dtype))
+    GP, BQ = _block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
+    plan = _block_outer_plan(idx, lay, H, G, tune["chunk_rows"])
+    opart = empty((Nq, HQ, n_sel, Dv), q, _part_dtype(q.dtype))
     lpart = torch.full((Nq, HQ, n_sel), float("-inf"), device=q.device, dtype=torch.float32)
     if plan["n_items"]:
         _fwd_kv_kernel[(plan["n_items"],)](
@@ -520,27 +484,27 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, opts, gated=None):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
             lay.q_start, scale_log2, H, max(lay.n_blocks, 1),
-            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=_np2(l_sel),
-            BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv), PREC=prec, INTERP=_interp(q),
-            num_warps=opts.get("kv_warps", 4), num_stages=opts.get("kv_stages", 2 if G == 1 else 3))
+            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
+            BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), PREC=prec, INTERP=interpreted(q),
+            num_warps=tune["kv_warps"], num_stages=tune["kv_stages"] or (2 if G == 1 else 3))
     BLOCK_R = 16
     n_rows = Nq * HQ
     _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
         opart, lpart, o, lse, oc, ow, gt, n_rows, HQ,
         opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
-        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=_np2(n_sel, 2), BLOCK_DV=_np2(Dv), GATED=gated is not None,
+        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=p2(n_sel, 2), BLOCK_DV=p2(Dv, 16), GATED=gated is not None,
         num_warps=4)
     return o, lse, plan
 
 
-def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, opts):
+def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     Nq, HQ, Dk = q.shape
     Nk, H, Dv = v.shape
     G = HQ // H
     n_sel = idx.shape[2]
     do = do.contiguous()
-    prec = _prec(q.dtype)
+    prec = dot_precision(q.dtype)
     scale_log2 = scale * LOG2E
     delta = row_dot(do, o)  # [Nq,HQ]: rowsum(dO * O)
     dk32 = torch.zeros(Nk, H, Dk, device=q.device, dtype=torch.float32)
@@ -548,13 +512,15 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, opts):
     if Nq == 0:
         return torch.zeros_like(q), dk32.to(k.dtype), dv32.to(v.dtype)
     if plan is None:
-        plan = _block_outer_plan(idx, lay, H, G, opts.get("chunk_rows", 2048))
-    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit:
-    # on H200 at G=16, 64k it saved 4.5 of 58 ms, but needs Nq*HQ*n_sel*Dk 16-bit values.
-    write_dq = opts.get("dq_part", mode == "block" or Nq * HQ * n_sel * Dk * q.element_size() <= PART_BYTES_MAX)
+        plan = _block_outer_plan(idx, lay, H, G, tune["chunk_rows"])
+    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit; it
+    # needs Nq*HQ*n_sel*Dk 16-bit values (BENCHMARKS.md, "Tuning choices").
+    write_dq = tune["dq_part"]
+    if write_dq is None:
+        write_dq = mode == "block" or Nq * HQ * n_sel * Dk * q.element_size() <= tune["part_bytes_max"]
     # dq per (row, head, slot), summed by _dq_combine_kernel over the live slots only
-    dqpart = _alloc((Nq, HQ, n_sel, Dk), q.device, _part_dtype(q.dtype)) if write_dq else dk32
-    GP, BQ = _block_q(G, max(Dk, Dv), opts.get("bwd_rows", 128))
+    dqpart = empty((Nq, HQ, n_sel, Dk), q, _part_dtype(q.dtype)) if write_dq else dk32
+    GP, BQ = _block_q(G, max(Dk, Dv), tune["bwd_rows"])
     if plan["n_items"]:
         _bwd_kv_kernel[(plan["n_items"],)](
             q, k, v, do, lse, delta, dk32, dv32, dqpart, plan["ent_row"], plan["ent_slot"], plan["item_key"],
@@ -563,60 +529,58 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, opts):
             do.stride(0), do.stride(1), lse.stride(0), dk32.stride(0), dk32.stride(1), dv32.stride(0), dv32.stride(1),
             dqpart.stride(0), dqpart.stride(1), dqpart.stride(2) if write_dq else 0,
             lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
-            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=_np2(l_sel),
-            BLOCK_DK=_np2(Dk), BLOCK_DV=_np2(Dv), WRITE_DQ=write_dq, PREC=prec, INTERP=_interp(q),
-            num_warps=opts.get("bwd_warps", 8), num_stages=opts.get("bwd_stages", 2))
+            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
+            BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), WRITE_DQ=write_dq, PREC=prec, INTERP=interpreted(q),
+            num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
+    dq = empty(q.shape, q)
     if write_dq:
-        dq = _alloc(q.shape, q.device, q.dtype)
         BLOCK_R = 16
         n_rows = Nq * HQ
         _dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
             dqpart, idx, dq, n_rows, HQ, max(lay.n_blocks, 1),
             dqpart.stride(0), dqpart.stride(1), dqpart.stride(2), idx.stride(0), idx.stride(1), dq.stride(0), dq.stride(1),
-            G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=_np2(Dk), num_warps=4)
+            G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=p2(Dk, 16), num_warps=4)
     else:
-        dq = _alloc(q.shape, q.device, q.dtype)
-        mt = _meta(Dk, Dv, l_sel)
         _bwd_dq_kernel[(Nq, H)](
             q, k, v, do, idx, lse, delta, dq, lay.row_seq, lay.cu_q, lay.cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             do.stride(0), do.stride(1), idx.stride(0), idx.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
             lay.q_start, scale_log2, scale,
-            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=_np2(G), PREC=prec,
-            num_warps=opts.get("num_warps", 4), num_stages=opts.get("num_stages", 2), **mt)
+            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec,
+            num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 
 class _SelectedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, idx, lay, scale, l_sel, mode, opts):
-        o, lse, plan = _forward(q, k, v, idx, lay, scale, l_sel, mode, opts)
+    def forward(ctx, q, k, v, idx, lay, scale, l_sel, mode, tune):
+        o, lse, plan = _forward(q, k, v, idx, lay, scale, l_sel, mode, tune)
         ctx.save_for_backward(q, k, v, o, lse, idx)
-        ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.opts = lay, scale, l_sel, mode, plan, opts
+        ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.tune = lay, scale, l_sel, mode, plan, tune
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, idx = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, idx, ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.opts)
+        dq, dk, dv = _backward(do, q, k, v, o, lse, idx, ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.tune)
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def _prepare(q, k, v, indices, config, scale, mode):
-    """(scale, mode, int32 indices) of one call (packed layout)."""
+def _prepare(q, k, v, indices, config, scale):
+    """(scale, kernel family, launch parameters, int32 indices) of one call (packed layout)."""
     HQ, H = q.shape[1], k.shape[1]
     if HQ % H:
         raise ValueError(f"selected_attention: {HQ} query heads not divisible by {H} key/value heads")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tune = tuning.params("selection", q.device)
     part_bytes = q.shape[0] * HQ * indices.shape[-1] * max(q.shape[-1], v.shape[-1]) * q.element_size()
-    mode = _choose_mode(mode, HQ // H, config.l_sel, part_bytes, q.shape[0])
-    return scale, mode, indices.to(torch.int32).contiguous()
+    mode = _choose_mode(tune, HQ // H, config.l_sel, part_bytes, q.shape[0])
+    return default_scale(q, scale), mode, tune, indices.to(torch.int32).contiguous()
 
 
-def _run(q, k, v, indices, lay, config, scale, mode, opts):
-    scale, mode, idx = _prepare(q, k, v, indices, config, scale, mode)
+def _run(q, k, v, indices, lay, config, scale):
+    scale, mode, tune, idx = _prepare(q, k, v, indices, config, scale)
     return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay, scale,
-                                    config.l_sel, mode, dict(opts or {}))
+                                    config.l_sel, mode, tune)
 
 
 def _batched_layout(q, k_sel, config, q_start):
@@ -627,23 +591,16 @@ def _batched_layout(q, k_sel, config, q_start):
                    q_start, config.n_blocks(S))
 
 
-def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0, mode: str = "auto",
-                       opts: dict | None = None):
-    """Selected branch, batched layout; same contract as ``nsa.reference.selected_attention``.
-
-    ``mode``: "query" (query-outer kernels), "block" (block-outer kernels) or "auto" (block-outer
-    for G < 16 while its partials fit PART_BYTES_MAX). ``opts``: launch overrides (num_warps,
-    num_stages, rows, kv_warps, kv_stages, chunk_rows, bwd_rows, bwd_warps, bwd_stages, dq_part).
-    """
+def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0):
+    """Selected branch, batched layout; same contract as ``nsa.reference.selected_attention``."""
     B, Tq, HQ, Dk = q.shape
     S, H = k_sel.shape[1], k_sel.shape[2]
-    o = _run(q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, -1),
-             indices.reshape(B * Tq, H, -1), _batched_layout(q, k_sel, config, q_start), config, scale, mode, opts)
-    return o.reshape(B, Tq, HQ, -1)
+    o = _run(q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, v_sel.shape[-1]),
+             indices.reshape(B * Tq, H, indices.shape[-1]), _batched_layout(q, k_sel, config, q_start), config, scale)
+    return o.reshape(B, Tq, HQ, v_sel.shape[-1])
 
 
-def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale=None, q_start: int = 0,
-                   mode: str = "auto", opts: dict | None = None):
+def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale=None, q_start: int = 0):
     """The layer's output without autograd (prefill/inference): Eq. 5's gated sum
     ``g_cmp o_cmp + g_sel o_sel + g_win o_win`` with o_sel the selected branch of
     :func:`selected_attention` (same arguments), the sum done in float32 in the selection kernel's
@@ -654,22 +611,22 @@ def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, sca
                            "when gradients are needed")
     B, Tq, HQ, Dk = q.shape
     S, H = k_sel.shape[1], k_sel.shape[2]
-    if o_cmp.shape != o_win.shape or tuple(o_cmp.shape) != (B, Tq, HQ, v_sel.shape[-1]):
+    Dv = v_sel.shape[-1]
+    if o_cmp.shape != o_win.shape or tuple(o_cmp.shape) != (B, Tq, HQ, Dv):
         raise ValueError(f"selected_gated: o_cmp {tuple(o_cmp.shape)} and o_win {tuple(o_win.shape)} must both be "
-                         f"[B,Tq,HQ,Dv] = {[B, Tq, HQ, v_sel.shape[-1]]}")
+                         f"[B,Tq,HQ,Dv] = {[B, Tq, HQ, Dv]}")
     if tuple(gates.shape) != (B, Tq, HQ, 3):
         raise ValueError(f"selected_gated: gates {tuple(gates.shape)} must be [B,Tq,HQ,3] = {[B, Tq, HQ, 3]}")
-    qf, kf, vf = q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, -1)
-    scale, mode, idx = _prepare(qf, kf, vf, indices.reshape(B * Tq, H, -1), config, scale, mode)
-    gated = tuple(x.reshape(B * Tq, HQ, -1).contiguous() for x in (o_cmp, o_win, gates))
+    qf, kf, vf = q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, Dv)
+    scale, mode, tune, idx = _prepare(qf, kf, vf, indices.reshape(B * Tq, H, indices.shape[-1]), config, scale)
+    gated = tuple(x.reshape(B * Tq, HQ, x.shape[-1]).contiguous() for x in (o_cmp, o_win, gates))
     lay = _batched_layout(q, k_sel, config, q_start)
-    o, _, _ = _forward(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay, scale, config.l_sel, mode,
-                       dict(opts or {}), gated=gated)
-    return o.reshape(B, Tq, HQ, -1)
+    o, _, _ = _forward(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay, scale, config.l_sel, mode, tune,
+                       gated=gated)
+    return o.reshape(B, Tq, HQ, Dv)
 
 
-def selected_attention_varlen(q, k_sel, v_sel, indices, cu_seqlens, config, scale=None, *, mode: str = "auto",
-                              opts: dict | None = None):
+def selected_attention_varlen(q, k_sel, v_sel, indices, cu_seqlens, config, scale=None):
     """Selected branch over packed sequences (prefill): q ``[N,HQ,Dk]``, k/v ``[N,H,D]``, indices
     ``[N,H,n_sel]`` with block numbers relative to each sequence's start; ``cu_seqlens`` ``[n_seq+1]``
     (int, starts at 0). Token r of sequence i sits at position r - cu_seqlens[i]."""
@@ -680,4 +637,4 @@ def selected_attention_varlen(q, k_sel, v_sel, indices, cu_seqlens, config, scal
                                       output_size=q.shape[0])
     max_len = int(lens.max()) if n_seq else 0
     lay = _Layout(cu, cu, row_seq, 0, config.n_blocks(max(max_len, 1)))
-    return _run(q, k_sel, v_sel, indices, lay, config, scale, mode, opts)
+    return _run(q, k_sel, v_sel, indices, lay, config, scale)

@@ -1,15 +1,136 @@
 """Triton sliding-window branch (spec step 6), same contract as
 ``nsa.reference.sliding_window_attention``: attention over u in [max(0, t-w+1), t].
 
-One-pass online-softmax forward over the at most w + BLOCK_M - 1 keys a query tile sees, GQA rows
-(a program holds all G heads of a group), flash-style backward (dq per query tile, dk/dv per key tile).
+One-pass online-softmax forward over the at most w + BLOCK_M - 1 keys a query tile sees (a key
+stream with STRIDE = 1, OFFSET = 0, WINDOW = w, see ``tiles``), GQA rows (a program holds all G
+heads of a group); backward: ``attention_bwd`` (dq per query tile, dk/dv per key tile). Launch
+parameters: ``tuning.params("window")``.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+import torch
+import triton
+import triton.language as tl
 
-from ._cmp_ops import WindowAttention, default_scale
+from . import tuning
+from .attention_bwd import attention_backward
+from .tiles import geometry, key_range, load_head_rows, load_rows, query_rows, store_head_rows, visible
+from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
+
+
+@triton.jit
+def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc, scale_log2,
+                 DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, NSTEP: tl.constexpr,
+                 WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One-pass online softmax (Eq. 5 with Eq. 8's normalizer) on keys n0..n0+NSTEP; unmasked tiles
+    are visible to every row of the program."""
+    n = n0 + nn
+    k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
+    v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    if MASKED:
+        vis = visible(n, (nn < NSTEP) & (n < N), t, row_ok, WINDOW)  # key n ends at raw position n
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, LSE, SC,
+    sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h, ssc_b, ssc_t, ssc_h,
+    N, Tq, q_start, m_begin, m_end, nb, scale_log2,
+    HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
+    WINDOW: tl.constexpr, PREC: tl.constexpr,
+):
+    """o_win [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2) of queries [m_begin, m_end).
+
+    SC, ssc_b, ssc_t, ssc_h, nb are unused (the compressed forward's score buffer): they are kept
+    because the parameter list changes the machine code. Without them LLVM orders the prologue's
+    loads differently and ptxas allocates registers differently (sm_90: other SASS at Dk 128 and
+    192, one register less at 192), so dropping them is a change to measure on the GPU first."""
+    b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+    tmin, tmax, hi = key_range(q_start, m0, m_end, N, 1, 0, BLOCK_M)
+    lo = tl.maximum(tmin - WINDOW + 1, 0)
+    lo = (lo // NSTEP) * NSTEP
+    kb = K + b * sk_b + h * sk_h
+    vb = V + b * sv_b + h * sv_h
+    nn = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M * GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GP], tl.float32)
+    acc = tl.zeros([BLOCK_M * GP, BDV], tl.float32)
+    # Tiles [mid_lo, mid_hi) lie inside every row's window (i in [tmax - W + 1, tmin]) and skip the
+    # mask; padding rows see them too (q = 0 there: finite, and never stored).
+    mid_lo = hi
+    mid_hi = hi
+    if NSTEP == BLOCK_N:
+        mid_lo = tl.minimum(tl.maximum((tl.maximum(tmax - WINDOW + 1, 0) + NSTEP - 1) // NSTEP * NSTEP, lo), hi)
+        mid_hi = tl.maximum((tmin + 1) // NSTEP * NSTEP, mid_lo)
+    for n0 in range(lo, mid_lo, NSTEP):
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                     scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, True)
+    for n0 in range(mid_lo, mid_hi, NSTEP):
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                     scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, False)
+    for n0 in range(mid_hi, hi, NSTEP):
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+                                     scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, True)
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    store_head_rows(Out, o, b, so_b, so_t, so_h, m, head, dv, row_ok, DV)
+    # LSE layout: [B, HQ, Tq] float32, base 2
+    tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
+
+
+def _forward(q, k, v, w, *, scale, q_start, tune):
+    """o [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2)."""
+    B, Tq, HQ, Dk = q.shape
+    N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    geo = geometry(HQ, H, Dk, Dv, tune["rows"])
+    o = empty((B, Tq, HQ, Dv), q)
+    lse = empty((B, HQ, Tq), q, torch.float32)
+    # The tuned warps and register cap go with the tuned rows: where large head dims cap the rows
+    # below them, the window launches with 4 warps and no cap.
+    launch = launch_options(tune) if geo["BLOCK_M"] * geo["GP"] >= tune["rows"] else dict(
+        num_warps=4, num_stages=tune["stages"])
+    nstep = tune["block_n"]
+    if B and Tq:
+        _fwd_kernel[(triton.cdiv(Tq, geo["BLOCK_M"]), B * H)](
+            q, k, v, o, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            *lse.stride(), N, Tq, q_start, 0, Tq, 0, scale * LOG2E,
+            **geo, BLOCK_N=p2(nstep), NSTEP=nstep, WINDOW=w, PREC=dot_precision(q.dtype), **launch,
+        )
+    return o, lse
+
+
+class WindowAttention(torch.autograd.Function):
+    """Sliding-window attention (u in [t-w+1, t]) over raw keys/values."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, scale, q_start):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.params("window", q.device))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.geom = dict(scale=scale, q_start=q_start, stride=1, offset=0, window=w,
+                        tune=tuning.params("attention_bwd", q.device))
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, **ctx.geom)
+        return dq, dk, dv, None, None, None
 
 
 def sliding_window_attention(q, k_win, v_win, config, *, scale=None, q_start: int = 0):
-    scale = default_scale(q, scale)
-    return WindowAttention.apply(q, k_win, v_win, int(config.w), scale, int(q_start))
+    return WindowAttention.apply(q, k_win, v_win, int(config.w), default_scale(q, scale), int(q_start))

@@ -1,0 +1,179 @@
+"""Triton backward of the compressed and sliding-window attention (flash-style), shared by both: they
+are the same key stream (``tiles``) with different STRIDE / OFFSET / WINDOW.
+
+A dq kernel (per query tile, looping over the keys it sees) and a dk/dv kernel (per key tile,
+looping over the query tiles that see it, split into query shares when there are too few key tiles
+to fill the GPU), both recomputing p from the forward's log-sum-exp (base 2) and using
+delta = rowsum(dO * O) (``rowdot``). Launch parameters: ``tuning.params("attention_bwd")``, fixed by
+the forward.
+"""
+
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+import torch
+import triton
+import triton.language as tl
+
+from .rowdot import row_dot
+from .tiles import geometry, key_range, load_head_rows, load_row_stats, load_rows, query_rows, store_head_rows, visible
+from .utils import LOG2E, dot_precision, empty
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sdo_b, sdo_t, sdo_h,
+    sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
+    HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+):
+    b, h, m0, m, t, head, row_ok = query_rows(q_start, 0, Tq, H, G, GP, BLOCK_M)
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+    do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
+    tmin, tmax, hi = key_range(q_start, m0, Tq, N, STRIDE, OFFSET, BLOCK_M)
+    if WINDOW > 0:
+        lo = tl.maximum(tmin - WINDOW + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    kb = K + b * sk_b + h * sk_h
+    vb = V + b * sv_b + h * sv_h
+    nn = tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK_M * GP, BDK], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + nn
+        n_ok = n < N
+        k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
+        v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        vis = visible(n * STRIDE + OFFSET, n_ok, t, row_ok, WINDOW)
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    dq = dq * scale
+    store_head_rows(DQ, dq, b, sdq_b, sdq_t, sdq_h, m, head, dk, row_ok, DK)
+
+
+@triton.jit
+def _dkdv_queries(n0, N, Tq, q_start, pid_s, n_split, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
+                  WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[m_lo, m_hi): the query rows of share pid_s (of n_split, whole query tiles) that see some key of
+    the tile starting at n0: t >= e(n0) (and t < e(last) + WINDOW)."""
+    m_lo = tl.maximum(n0 * STRIDE + OFFSET - q_start, 0)
+    m_lo = (m_lo // BLOCK_M) * BLOCK_M
+    if WINDOW > 0:
+        last = tl.minimum(n0 + BLOCK_N, N) - 1
+        m_hi = tl.minimum(last * STRIDE + OFFSET + WINDOW - q_start, Tq)
+    else:
+        m_hi = Tq
+    per = tl.cdiv(tl.cdiv(tl.maximum(m_hi - m_lo, 0), BLOCK_M), n_split) * BLOCK_M
+    m_lo = m_lo + pid_s * per
+    return m_lo, tl.minimum(m_hi, m_lo + per)
+
+
+@triton.jit
+def _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m, g, head, b, Tq, q_start, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h,
+               dk, dv, dk_acc, dv_acc, scale_log2, HQ: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """dk/dv contributions of the query rows m (position, head) to the key tile (k, v)."""
+    row_ok = (m < Tq) & (g < G)
+    t = q_start + m
+    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+    do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    vis = visible(e, n_ok, t, row_ok, WINDOW)
+    p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+    dv_acc += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    dk_acc += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    return dk_acc, dv_acc
+
+
+@triton.jit
+def _store_key_rows(X, x, b, h, s_b, s_n, s_h, n, d, n_ok, D: tl.constexpr):
+    """Store rows n of head h of a [B, N, H, D] tensor."""
+    tl.store(X + b * s_b + h * s_h + n[:, None].to(tl.int64) * s_n + d[None, :], x.to(X.dtype.element_ty),
+             mask=n_ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK_, DV_, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sdo_b, sdo_t, sdo_h,
+    sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h, sdk_s, sdv_s, N, Tq, q_start, scale_log2, scale,
+    HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+):
+    """dk/dv of one key tile (program_id 0) of head h; program_id 2 picks the query share, whose
+    float32 partial dk/dv slice (sdk_s / sdv_s apart) the launcher sums."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)  # query share
+    n_split = tl.num_programs(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    n0 = pid_n * BLOCK_N
+    nn = tl.arange(0, BLOCK_N)
+    n = n0 + nn
+    n_ok = n < N
+    e = n * STRIDE + OFFSET
+    dk = tl.arange(0, BDK)
+    dv = tl.arange(0, BDV)
+    k = load_rows(K + b * sk_b + h * sk_h, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
+    v = load_rows(V + b * sv_b + h * sv_h, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
+    m_lo, m_hi = _dkdv_queries(n0, N, Tq, q_start, pid_s, n_split, STRIDE, OFFSET, WINDOW, BLOCK_M, BLOCK_N)
+    r = tl.arange(0, BLOCK_M * GP)
+    g = r % GP
+    head = h * G + g
+    dk_acc = tl.zeros([BLOCK_N, BDK], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BDV], tl.float32)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        dk_acc, dv_acc = _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m0 + r // GP, g, head, b, Tq, q_start,
+                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, dk_acc, dv_acc, scale_log2,
+                                    HQ, G, DK, DV, WINDOW, PREC)
+    dk_acc = dk_acc * scale
+    DK_ += pid_s.to(tl.int64) * sdk_s
+    DV_ += pid_s.to(tl.int64) * sdv_s
+    _store_key_rows(DK_, dk_acc, b, h, sdk_b, sdk_n, sdk_h, n, dk, n_ok, DK)
+    _store_key_rows(DV_, dv_acc, b, h, sdv_b, sdv_n, sdv_h, n, dv, n_ok, DV)
+
+
+def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tune):
+    """(dq, dk, dv) of attention over the key stream (stride, offset, window) given the forward's o and
+    base-2 lse [B,HQ,Tq]; ``tune``: ``tuning.params("attention_bwd")``."""
+    B, Tq, HQ, Dk = q.shape
+    N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    geo = geometry(HQ, H, Dk, Dv, tune["rows"])
+    do = do.contiguous()
+    delta = row_dot(do, o).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]: rowsum(dO * O)
+    dq, dk, dv = empty(q.shape, q), empty(k.shape, k), empty(v.shape, v)
+    common = dict(**geo, BLOCK_N=tune["block_n"], STRIDE=stride, OFFSET=offset, WINDOW=window,
+                  PREC=dot_precision(q.dtype), num_warps=tune["warps"], num_stages=tune["stages"])
+    if B > 0 and Tq > 0:
+        _bwd_dq_kernel[(triton.cdiv(Tq, geo["BLOCK_M"]), B * H)](
+            q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dq.stride()[:3], N, Tq, q_start, scale * LOG2E, scale, **common,
+        )
+    if B > 0 and N > 0:
+        n_kt = triton.cdiv(N, tune["block_n"])
+        n_split = max(1, min(tune["split_max"], -(-tune["programs"] // (n_kt * B * H)),
+                             triton.cdiv(Tq, geo["BLOCK_M"])))
+        if n_split > 1:
+            dkw = empty((n_split, *k.shape), k, torch.float32)
+            dvw = empty((n_split, *v.shape), v, torch.float32)
+        else:
+            dkw, dvw = dk[None], dv[None]
+        _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
+            q, k, v, do, lse, delta, dkw, dvw, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dkw.stride()[1:4], *dvw.stride()[1:4], dkw.stride(0), dvw.stride(0), N, Tq, q_start, scale * LOG2E,
+            scale, **common,
+        )
+        if n_split > 1:
+            dk, dv = dkw.sum(0).to(k.dtype), dvw.sum(0).to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,125 @@
+"""@triton.jit tile helpers shared by several operations' kernels (compressed, window, their backward,
+the gated sum, the row dot).
+
+The compressed and window kernels work on a "key stream" whose key i ends at raw position
+``e(i) = i * STRIDE + OFFSET`` and is visible to the query at absolute position t iff ``e(i) <= t``
+and (with a window) ``e(i) > t - WINDOW``:
+
+* compressed branch (spec step 1): STRIDE = d, OFFSET = l - 1, no window;
+* sliding branch (spec step 6): STRIDE = 1, OFFSET = 0, WINDOW = w.
+
+A program owns one key/value head h and a tile of BLOCK_M query positions, and its rows are the
+(position, head-in-group) pairs of that tile: row r = (m, g) with m = r // GP, g = r % GP, query head
+h*G + g. So the keys of group h are loaded once for all G heads (GQA), and sums over the group
+(Eq. 10) are a reshape and a sum.
+"""
+
+# No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
+# as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+import triton
+import triton.language as tl
+
+from .utils import p2
+
+
+@triton.jit
+def query_rows(q_start, m_begin, m_end, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """This program's rows over query positions [m_begin, m_end) (grid: query tiles, B*H), the last
+    tile first (longest rows first): (b, h, m0, m, t, head, row_ok) with b in int64, m0 the tile's
+    first position, m / t / head each row's position, absolute position and query head."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    n_tiles = tl.cdiv(m_end - m_begin, BLOCK_M)
+    m0 = m_begin + (n_tiles - 1 - pid_m) * BLOCK_M
+    r = tl.arange(0, BLOCK_M * GP)
+    m = m0 + r // GP
+    g = r % GP
+    row_ok = (m < m_end) & (g < G)
+    t = q_start + m
+    head = h * G + g
+    return b, h, m0, m, t, head, row_ok
+
+
+@triton.jit
+def key_range(q_start, m0, m_end, N, STRIDE: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(tmin, tmax, hi) of a query tile starting at m0: its first and last absolute positions and
+    the number of keys with e(i) <= tmax (at most N)."""
+    tmin = q_start + m0
+    tmax = q_start + tl.minimum(m0 + BLOCK_M, m_end) - 1
+    hi = tl.maximum(tmax - OFFSET + STRIDE, 0) // STRIDE  # keys with e(i) <= tmax
+    hi = tl.minimum(hi, N)
+    return tmin, tmax, hi
+
+
+@triton.jit
+def load_rows(base, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP: tl.constexpr, MASKED: tl.constexpr):
+    """Rows n of a [*, D] key/value stream (columns padded to BD)."""
+    ptr = base + n[:, None].to(tl.int64) * s_n + d[None, :]
+    if MASKED:
+        return tl.load(ptr, mask=((nn < NSTEP) & (n < N))[:, None] & (d[None, :] < D), other=0.0)
+    elif BD == D:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def load_head_rows(X, b, s_b, s_t, s_h, m, head, d, row_ok, D: tl.constexpr):
+    """Rows (position m, query head) of a [B, T, HQ, D] tensor (columns padded to len(d)); 0 where not row_ok."""
+    return tl.load(
+        X + b * s_b + m[:, None].to(tl.int64) * s_t + head[:, None] * s_h + d[None, :],
+        mask=row_ok[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
+
+
+@triton.jit
+def store_head_rows(X, x, b, s_b, s_t, s_h, m, head, d, row_ok, D: tl.constexpr):
+    """Store rows (position m, query head) of a [B, T, HQ, D] tensor (the inverse of load_head_rows)."""
+    tl.store(
+        X + b * s_b + m[:, None].to(tl.int64) * s_t + head[:, None] * s_h + d[None, :],
+        x.to(X.dtype.element_ty),
+        mask=row_ok[:, None] & (d[None, :] < D),
+    )
+
+
+@triton.jit
+def load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ: tl.constexpr, Tq):
+    """lse (+inf where not row_ok, so p = 0 there) and delta of rows (m, head), both [B, HQ, Tq]."""
+    row = (b * HQ + head).to(tl.int64) * Tq + m
+    lse = tl.load(LSE + row, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def visible(e, col_ok, t, row_ok, WINDOW: tl.constexpr):
+    """[rows, keys] visibility: the key ending at raw position e is seen by the row at position t iff
+    e <= t (and e > t - WINDOW with a window); row_ok / col_ok mask padding rows and columns."""
+    vis = row_ok[:, None] & col_ok[None, :] & (e[None, :] <= t[:, None])
+    if WINDOW > 0:
+        vis = vis & (e[None, :] > t[:, None] - WINDOW)
+    return vis
+
+
+@triton.jit
+def row_tile(n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows of a contiguous [n_rows, D] tensor (columns padded to BD):
+    (rows r, row mask, element mask, element offsets); offsets in int64."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BD)
+    ok = r < n_rows
+    return r, ok, ok[:, None] & (d[None, :] < D), r[:, None] * D + d[None, :]
+
+
+def geometry(HQ, H, Dk, Dv, rows):
+    """The shape constexprs every key-stream kernel takes, for ``rows`` query rows per program (as
+    tuned): BLOCK_M positions x GP = next_pow2(G) heads."""
+    G = HQ // H
+    GP = p2(G)
+    if max(Dk, Dv) > 128:
+        rows = min(rows, 64)  # shared memory: 128 rows of Dk=192 (padded to 256) exceed the H200's 227 KB
+    return dict(HQ=HQ, H=H, G=G, GP=GP, DK=Dk, DV=Dv, BDK=p2(Dk, 16), BDV=p2(Dv, 16), BLOCK_M=max(1, rows // GP))

@@ -1,0 +1,193 @@
+"""Launch parameters of every triton operation: one table per architecture key, overridable.
+
+    from nsa.backends.triton import tuning
+    tuning.params("compressed", q.device)         # {"rows": 64, "block_n": 64, ...}
+    with tuning.overrides({"compressed": {"rows": 128}, "topn": {"warps": 4}}):
+        y = layer(x)                              # every launch inside uses the overrides
+
+The table is chosen by :func:`key`: ``"sm<major><minor>"`` where that architecture has its own
+table, else ``"cuda"`` for a CUDA device, and ``"interpret"`` for CPU tensors under Triton's
+interpreter (small tiles, so that tests at tiny shapes cross tile borders). The ``"cuda"`` table was
+measured on an H200 (sm_90); BENCHMARKS.md ("Tuning choices") has the figures behind each value.
+
+:func:`overrides` is the one way to change a value: a context manager, validated (an unknown op or
+key, or a value of the wrong type, raises ValueError naming it), nested blocks merge, and leaving
+the block restores what was there. It is process-wide (not per thread), so a backward that autograd
+runs on its own thread sees the same values; the operations read their parameters when they are
+called (the forward also fixes its backward's), so a backward outside the block still uses the
+values of its forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Mapping
+
+import torch
+
+# Keys every tiled attention forward has.
+_TILES: dict[str, tuple[Any, str]] = {
+    "block_n": (int, "keys per tile"),
+    "warps": (int, "warps per program"),
+    "stages": (int, "software-pipelining stages"),
+    "maxnreg": (int, "registers per thread (ptxas .maxnreg); None: no cap"),
+}
+
+# op -> key -> (type, or a tuple of allowed values; what it sets). A value of None in a table means
+# "derived from the shape by the launcher" (the rule is in the op's module).
+KEYS: dict[str, dict[str, tuple[Any, str]]] = {
+    "compressed": {
+        "rows": (int, "query rows per program (BLOCK_M x next_pow2(G)); at most 64 when Dk or Dv > 128"),
+        **_TILES,
+        "lse_n": (int, "compressed keys per tile of pass 1 (log-sum-exp only); a power of two"),
+        "score_lo": (bool, "half inputs: add the fp16 remainder product to the Eq. 9 scores (exact top-n)"),
+        "score_buffer_bytes": (int, "bytes of the [B, chunk, H, nb] float32 score buffer; more queries: chunks"),
+    },
+    "window": {
+        "rows": (int, "query rows per program; at most 64 when Dk or Dv > 128 (then 4 warps, no cap)"),
+        **_TILES,
+    },
+    "attention_bwd": {
+        "rows": (int, "query rows per program of the compressed and window backward"),
+        **{k: _TILES[k] for k in ("block_n", "warps", "stages")},
+        "programs": (int, "the dk/dv kernel splits each key tile's queries until about this many programs run"),
+        "split_max": (int, "at most this many query shares per key tile (float32 partials, summed after)"),
+    },
+    "topn": {
+        "elems": (int, "score elements per top-n program (rows = elems // width)"),
+        "warps": _TILES["warps"],
+    },
+    "selection": {
+        "mode": (("auto", "query", "block"), "kernel family; auto: block-outer for G < 16 while its partials fit"),
+        "warps": (int, "warps per query-outer program (forward and dq)"),
+        "stages": (int, "stages of the query-outer kernels"),
+        "block_s": (int, "keys per query-outer tile (a selection block is cut into l_sel / block_s)"),
+        "rows": (int, "rows (queries x heads) per block-outer forward tile; None: 128 for G = 1, else 64"),
+        "kv_warps": (int, "warps per block-outer forward program"),
+        "kv_stages": (int, "stages of the block-outer forward; None: 2 for G = 1, else 3"),
+        "chunk_rows": (int, "rows (queries x heads) per block-outer work item"),
+        "bwd_rows": (int, "rows per block-outer backward tile"),
+        "bwd_warps": (int, "warps per block-outer backward program"),
+        "bwd_stages": (int, "stages of the block-outer backward"),
+        "dq_part": (bool, "dq per slot from the block-outer backward; None: when the partials fit"),
+        "part_bytes_max": (int, "per-slot partials above this many bytes take the query-outer kernels"),
+    },
+    "gate": {
+        "rows": (int, "(query, head) rows per program of the gated sum"),
+        "warps": _TILES["warps"],
+    },
+    "decode": {
+        "block_c": (int, "compressed tokens per tile of the split-KV compressed pass"),
+        "nsc": (int, "splits of the compressed pass; None: fill the SMs about 4x, >= 4 tiles a split"),
+        "bw": (int, "window tokens per tile; None: the whole window in one tile"),
+        "sel_per": (int, "selected blocks per split; None: 4 when B*H fills the SMs, else 1"),
+        "sel_vec": (int, "selected blocks per tile; None: all of a split's"),
+        "win_per": (int, "window tiles per split; None: 4 when B*H fills the SMs, else 1"),
+        "warps": (int, "warps of the attention and combine kernels"),
+        "topk_warps": (int, "warps of the combine + top-n kernel"),
+        "block_t": (int, "compressed tokens per step of the top-n kernel's Eq. 10 sum"),
+    },
+}
+
+# Every CUDA device until an architecture has its own table: the values measured fastest on an H200
+# at 64k (BENCHMARKS.md, "Tuning choices"), except score_lo, which keeps the top-n exact.
+_CUDA = {
+    # 1 GiB of block scores holds T = 64k (H=4, l_sel=64) in one chunk: one forward launch
+    "compressed": dict(rows=64, block_n=64, lse_n=128, warps=4, stages=2, maxnreg=None, score_lo=True,
+                       score_buffer_bytes=1 << 30),
+    # the register cap lets two programs of 8 warps share an SM
+    "window": dict(rows=128, block_n=64, warps=8, stages=2, maxnreg=128),
+    # at 64k the compressed backward has only Tc/64 x H = 256 key tiles: split their queries
+    "attention_bwd": dict(rows=128, block_n=64, warps=8, stages=2, programs=4096, split_max=32),
+    "topn": dict(elems=1024, warps=1),
+    "selection": dict(mode="auto", warps=4, stages=2, block_s=64, rows=None, kv_warps=4, kv_stages=None,
+                      chunk_rows=2048, bwd_rows=128, bwd_warps=8, bwd_stages=2, dq_part=None,
+                      part_bytes_max=8 << 30),
+    "gate": dict(rows=16, warps=4),
+    "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
+                   block_t=256),
+}
+
+# The interpreter runs programs one after another: tests want small tiles (borders crossed at tiny
+# shapes), the decode step few large programs.
+_INTERPRET = {
+    **_CUDA,
+    "compressed": dict(_CUDA["compressed"], rows=16, block_n=16, lse_n=32, stages=1),
+    "window": dict(rows=16, block_n=16, warps=4, stages=1, maxnreg=None),
+    "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4),
+    "topn": dict(elems=2048, warps=4),
+    "decode": dict(block_c=16, nsc=None, bw=None, sel_per=None, sel_vec=None, win_per=None, warps=4, topk_warps=4,
+                   block_t=16),
+}
+
+TABLES: dict[str, dict[str, dict[str, Any]]] = {"cuda": _CUDA, "interpret": _INTERPRET}
+
+_OVERRIDES: dict[str, dict[str, Any]] = {}  # changed only by overrides()
+
+
+@functools.lru_cache(maxsize=None)
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def key(device: torch.device) -> str:
+    """The table for tensors on ``device``: "interpret" off CUDA, "sm<cc>" where TABLES has one, else "cuda"."""
+    if device.type != "cuda":
+        return "interpret"
+    arch = _arch(torch.cuda.current_device() if device.index is None else device.index)
+    return arch if arch in TABLES else "cuda"
+
+
+def params(op: str, where: torch.device | str) -> dict[str, Any]:
+    """The launch parameters of ``op`` for tensors on a device (a ``torch.device``) or for a table
+    key (a str: "cuda", "interpret", ...), the active overrides applied. A new dict each call."""
+    if op not in KEYS:
+        raise ValueError(f"tuning: unknown op {op!r}; ops: {', '.join(KEYS)}")
+    return {**TABLES[where if isinstance(where, str) else key(where)][op], **_OVERRIDES.get(op, {})}
+
+
+def table(where: torch.device | str) -> dict[str, dict[str, Any]]:
+    """Every op's parameters (as :func:`params`): what a run used."""
+    return {op: params(op, where) for op in KEYS}
+
+
+def validate(values: Mapping[str, Mapping[str, Any]]) -> None:
+    """Raise ValueError naming the first unknown op, unknown key or value of the wrong type."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"tuning: expected a mapping {{op: {{key: value}}}}, got {type(values).__name__}")
+    for op, kv in values.items():
+        if op not in KEYS:
+            raise ValueError(f"tuning: unknown op {op!r}; ops: {', '.join(KEYS)}")
+        if not isinstance(kv, Mapping):
+            raise ValueError(f"tuning.{op}: expected a mapping {{key: value}}, got {type(kv).__name__}")
+        for k, v in kv.items():
+            if k not in KEYS[op]:
+                raise ValueError(f"tuning.{op}: unknown key {k!r}; keys: {', '.join(KEYS[op])}")
+            kind = KEYS[op][k][0]
+            if isinstance(kind, tuple):
+                if v not in kind:
+                    raise ValueError(f"tuning.{op}.{k}={v!r}: one of {', '.join(map(repr, kind))}")
+            elif v is None:
+                if all(TABLES[t][op][k] is not None for t in TABLES):
+                    raise ValueError(f"tuning.{op}.{k}=None: needs a value ({kind.__name__})")
+            elif kind is bool and not isinstance(v, bool):
+                raise ValueError(f"tuning.{op}.{k}={v!r}: must be true or false")
+            elif kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"tuning.{op}.{k}={v!r}: must be a positive integer")
+
+
+@contextlib.contextmanager
+def overrides(values: Mapping[str, Mapping[str, Any]]):
+    """Inside the block, ``values`` ({op: {key: value}}) replace the table's values for every
+    device; validated first (see :func:`validate`)."""
+    global _OVERRIDES
+    validate(values)
+    saved = _OVERRIDES
+    _OVERRIDES = {op: dict(saved.get(op, {})) for op in saved}
+    for op, kv in values.items():
+        _OVERRIDES.setdefault(op, {}).update(kv)
+    try:
+        yield
+    finally:
+        _OVERRIDES = saved

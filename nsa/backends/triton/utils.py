@@ -1,0 +1,117 @@
+"""Host-side helpers shared by every operation of the triton backend: constants, power-of-two sizes,
+the output allocator (NaN-filled inside :func:`poisoned_outputs`), the product precision, and
+Triton's interpreter shim (applied on import when ``TRITON_INTERPRET=1``, see ``nsa.env``). Imports
+no triton module itself, so ``poisoned_outputs`` is importable where triton is not installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import torch
+
+from ... import env
+from ..._compat import triton_version
+
+LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: exp(x) = exp2(x * log2(e))
+# Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and
+# interpreted); later versions ask the target (the interpreter takes any size).
+DOT_MIN = 16 if triton_version() < (3, 1) else 1
+
+
+def p2(n: int, lo: int = 1) -> int:
+    """The smallest power of two >= n, and >= lo (tile sizes: ``tl.arange`` needs powers of two)."""
+    return max(lo, 1 << (max(1, int(n)) - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: IEEE fp32 products for fp32 inputs (no tf32), else the default."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_options(tune: dict) -> dict:
+    """Triton launch options from an op's tuning: warps, stages and, where set, ptxas's register cap
+    (``maxnreg``: fewer registers per thread, more programs per SM)."""
+    opts = dict(num_warps=tune["warps"], num_stages=tune["stages"])
+    if tune.get("maxnreg"):
+        opts["maxnreg"] = tune["maxnreg"]
+    return opts
+
+
+def default_scale(q: torch.Tensor, scale) -> float:
+    """The softmax scale: 1/sqrt(Dk) unless given (spec "Shapes and names")."""
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def interpreted(x: torch.Tensor) -> bool:
+    """True where ``x``'s kernels run in Triton's interpreter (CPU tensors) rather than compiled."""
+    return x.device.type != "cuda"
+
+
+# Set only by poisoned_outputs(); a plain module flag (not a context variable) so that backward
+# passes that autograd runs on its own threads see it too.
+_POISON = False
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Inside this block the kernels' outputs (and gradients) are allocated filled with NaN (integer
+    outputs with -7), so an element a kernel fails to write shows up in any comparison (tests,
+    ``experiments.parity``)."""
+    global _POISON
+    saved, _POISON = _POISON, True
+    try:
+        yield
+    finally:
+        _POISON = saved
+
+
+def empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.empty`` on ``like``'s device (and dtype unless given), poisoned inside
+    :func:`poisoned_outputs`: for tensors a kernel must write entirely."""
+    dtype = like.dtype if dtype is None else dtype
+    if _POISON:
+        fill = float("nan") if dtype.is_floating_point else -7
+        return torch.full(shape, fill, device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
+
+
+def poisoning() -> bool:
+    """True inside :func:`poisoned_outputs` (for workspaces allocated once and reused per call)."""
+    return _POISON
+
+
+def _fix_interpreter_index():
+    """Triton 3.6's interpreter converts a scalar to a Python int with ``int(array)``, but scalars
+    there are 1-element arrays and numpy >= 2.4 refuses that, so ``range(lo, hi)`` over runtime
+    scalars fails under TRITON_INTERPRET=1. Re-register ``__index__`` with ``.item()`` (interpreter
+    only; compiled kernels are untouched).
+
+    Only for interpreters with the ``_patch_lang_tensor(tensor, scope)`` form this was written for
+    (triton >= 3.x with ``_LangPatchScope``): triton 3.0 has ``(tensor)``, triton 2.3 has
+    ``(tensor, builder)``, and both run only with numpy < 2, which still accepts ``int(array)``."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_nsa_fixed", False):
+        return
+    try:
+        params = list(inspect.signature(orig).parameters)
+    except (TypeError, ValueError):
+        return
+    if params != ["tensor", "scope"] or not hasattr(interpreter, "_LangPatchScope"):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._nsa_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if env.triton_interpret():
+    _fix_interpreter_index()

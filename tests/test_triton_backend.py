@@ -1,0 +1,92 @@
+"""The triton backend as a whole: its one tuning mechanism (``nsa.backends.triton.tuning``). Runs
+through Triton's interpreter on CPU tensors.
+"""
+from __future__ import annotations
+
+import os
+
+# The interpreter must be chosen before triton is first imported (tests/conftest.py does not set it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from nsa.backends.triton import triton_unsupported, tuning  # noqa: E402
+
+from conftest import make_config, random_inputs  # noqa: E402
+
+_OLD = triton_unsupported()
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs on CPU tensors under TRITON_INTERPRET=1"),
+    pytest.mark.skipif(_OLD is not None, reason=_OLD or ""),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# tuning
+# ---------------------------------------------------------------------------------------------
+def test_tables_name_every_key_with_its_type():
+    for key, table in tuning.TABLES.items():
+        assert set(table) == set(tuning.KEYS), key
+        for op, values in table.items():
+            assert set(values) == set(tuning.KEYS[op]), (key, op)
+            tuning.validate({op: {k: v for k, v in values.items() if v is not None}})
+    assert tuning.key(torch.device("cpu")) == "interpret"
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"compresed": {"rows": 64}}, r"tuning: unknown op 'compresed'; ops: compressed, window"),
+    ({"compressed": {"row": 64}}, r"tuning.compressed: unknown key 'row'; keys: rows, block_n"),
+    ({"compressed": {"rows": 0}}, r"tuning.compressed.rows=0: must be a positive integer"),
+    ({"compressed": {"rows": True}}, r"tuning.compressed.rows=True: must be a positive integer"),
+    ({"compressed": {"rows": None}}, r"tuning.compressed.rows=None: needs a value \(int\)"),
+    ({"compressed": {"score_lo": 1}}, r"tuning.compressed.score_lo=1: must be true or false"),
+    ({"selection": {"mode": "fast"}}, r"tuning.selection.mode='fast': one of 'auto', 'query', 'block'"),
+    ({"topn": 4}, r"tuning.topn: expected a mapping"),
+    ([("topn", {})], r"tuning: expected a mapping"),
+])
+def test_overrides_are_validated(values, match):
+    before = tuning.params("compressed", "cuda")
+    with pytest.raises(ValueError, match=match):
+        with tuning.overrides(values):
+            pass
+    assert tuning.params("compressed", "cuda") == before
+
+
+def test_overrides_nest_and_restore():
+    base = tuning.table("interpret")
+    with tuning.overrides({"compressed": {"rows": 32}, "decode": {"nsc": 3}}):
+        with tuning.overrides({"compressed": {"block_n": 32}, "selection": {"mode": "query", "dq_part": False}}):
+            p = tuning.params("compressed", torch.device("cpu"))
+            assert (p["rows"], p["block_n"], p["lse_n"]) == (32, 32, base["compressed"]["lse_n"])
+            assert tuning.params("selection", "cuda")["mode"] == "query"  # overrides apply to every table
+            assert tuning.params("decode", "interpret")["nsc"] == 3
+        assert tuning.params("compressed", "interpret")["block_n"] == base["compressed"]["block_n"]
+        assert tuning.params("compressed", "interpret")["rows"] == 32
+    assert tuning.table("interpret") == base
+    with pytest.raises(ValueError, match="unknown op"):
+        tuning.params("nope", "cuda")
+
+
+def test_an_override_reaches_the_launch(monkeypatch):
+    """The override is what the kernel launch gets (window rows -> BLOCK_M), and the forward fixes
+    its backward's parameters: a backward outside the block still uses them."""
+    from nsa.backends.triton import attention_bwd, window
+
+    cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=8)
+    x = random_inputs(cfg, B=1, T=40, dtype=torch.float32, requires_grad=True)
+    seen = []
+    for mod, name in ((window, "_fwd_kernel"), (attention_bwd, "_bwd_dq_kernel")):
+        real = getattr(mod, name)
+
+        class Spy:
+            def __getitem__(self, grid, real=real):
+                return lambda *a, **kw: seen.append(kw["BLOCK_M"]) or real[grid](*a, **kw)
+
+        monkeypatch.setattr(mod, name, Spy())
+    with tuning.overrides({"window": {"rows": 32}, "attention_bwd": {"rows": 8}}):
+        o = window.sliding_window_attention(x["q"], x["k_win"], x["v_win"], cfg)
+    o.sum().backward()
+    assert seen == [32 // 2, 8 // 2]  # BLOCK_M = rows // next_pow2(G), G = 2
