@@ -1,6 +1,6 @@
 """NSAConfig: the layer's shape and sparsity, validated at construction.
 
-Names follow the paper (Yuan et al., arXiv 2502.11089) and ``shared/nsa-spec.md``:
+Names follow the paper (Yuan et al., arXiv 2502.11089) and ``docs/nsa-spec.md``:
 l, d (compression block and stride, Eq. 7), l_sel and n_sel (selection, Eqs. 9-12), w (window),
 n_init / n_local (forced initial and most recent blocks).
 """

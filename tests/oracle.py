@@ -1,4 +1,4 @@
-"""An independent float64 oracle for NSA, written from ``shared/nsa-spec.md`` alone.
+"""An independent float64 oracle for NSA, written from ``docs/nsa-spec.md`` alone.
 
 It shares no code with the ``nsa`` package (nothing here imports it) and takes plain tensors and
 plain ints. It is deliberately slow and literal: Python loops over batch, query position t and
