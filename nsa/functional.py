@@ -1,11 +1,13 @@
-"""Public functional API of NSA (``shared/nsa-spec.md``), with input checks and backend dispatch.
+"""Public functional API of NSA (``docs/nsa-spec.md``), with input checks and backend dispatch.
 
 Layouts (batch-first): q ``[B,Tq,HQ,Dk]``; raw keys/values of a branch ``[B,S,H,Dk]`` /
 ``[B,S,H,Dv]``; compressed ``[B,Tc,H,*]`` with Tc = 0 if S < l else (S-l)//d + 1; gates
 ``[B,Tq,HQ,3]`` in the order (cmp, sel, win); output ``[B,Tq,HQ,Dv]``.
 
 Prefill: Tq = S and ``q_start=0``. Decode / chunked prefill over a cache: the Tq queries sit at
-absolute positions ``q_start .. q_start+Tq-1`` and S = q_start + Tq keys are given.
+absolute positions ``q_start .. q_start+Tq-1`` and S = q_start + Tq keys are given. Empty inputs
+(B = 0 or Tq = 0) give empty outputs of the right shape on every backend, as
+``torch.nn.functional.scaled_dot_product_attention`` does.
 """
 from __future__ import annotations
 
@@ -135,13 +137,29 @@ def _check_indices(q, indices, config):
         _fail(f"indices: device {indices.device} differs from q's {q.device}")
 
 
+def _check_index_range(indices, config: NSAConfig, S: int):
+    """Block indices lie in [0, ceil(S / l_sel)) or are -1 (none); the kernels do not check them.
+    One reduction and one host sync per call."""
+    if indices.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(indices))
+    nb = config.n_blocks(S)
+    if lo < -1 or hi >= nb:
+        bad = lo if lo < -1 else hi
+        valid = f"0..{nb - 1} (ceil(S / l_sel) = {nb} blocks of S={S} keys)" if nb else f"none (S={S} keys)"
+        _fail(f"indices: block index {bad} out of range; valid block indices are {valid}, and -1 for none")
+
+
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
                        backend: str = "reference"):
-    """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks."""
+    """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks.
+    ``indices [B,Tq,H,n_sel]``: block numbers in [0, ceil(S / l_sel)), -1 for none (checked: a
+    ValueError names a value out of range)."""
     _check_q(q, config)
     _check_q_start(q_start)
     _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None, q_start)
     _check_indices(q, indices, config)
+    _check_index_range(indices, config, k_sel.shape[1])
     be = dispatch.choose("sel", backend, q.device, q.dtype, None)
     return be.selected(q, k_sel, v_sel, indices, config, scale=_scale(q, scale), q_start=q_start)
 

@@ -1,6 +1,6 @@
 """The reference backend: plain, vectorized PyTorch for every NSA operator.
 
-Each function implements one step of ``shared/nsa-spec.md`` and cites the paper's equation
+Each function implements one step of ``docs/nsa-spec.md`` and cites the paper's equation
 (Yuan et al., arXiv 2502.11089). Layouts are batch-first: q ``[B,Tq,HQ,Dk]``, keys/values
 ``[B,S,H,D]``. Queries sit at absolute positions ``q_start .. q_start+Tq-1`` (prefill: q_start=0,
 S=Tq; decode: S = q_start+Tq keys in the cache). Query head h reads key/value head h // G.
@@ -8,7 +8,8 @@ S=Tq; decode: S = q_start+Tq keys in the cache). Query head h reads key/value he
 No Python loop runs over tokens: work is vectorized over all queries, and only split into query
 chunks (a loop over chunks) to bound the memory of the intermediates at long T. Every op works in
 any float dtype on any device and is differentiable; half-precision inputs are computed in float32
-and cast back.
+and cast back. Empty inputs (B = 0 or Tq = 0) give empty outputs of the right shape, as
+``torch.nn.functional.scaled_dot_product_attention`` does.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _run_chunked(fn, Tq: int, per_query_bytes: int, *tensors):
     (activation checkpointing), so backward memory is that of one chunk.
     """
     spans = _chunks(Tq, per_query_bytes)
-    if len(spans) == 1:
+    if len(spans) <= 1:  # one chunk, or no query at all (Tq = 0: empty outputs)
         return fn(0, Tq, *tensors)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor))
     outs = []
@@ -101,7 +102,7 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
     Dv = v_cmp.shape[3]
     p = _cmp_probs(q, k_cmp, config, scale, q_start, 0, Tq)
     o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, Tq, HQ, Dv)
-    return o.to(q.dtype), p.permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, -1).to(q.dtype)
+    return o.to(q.dtype), p.permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, k_cmp.shape[1]).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def _gather_attend(q, k, v, tok, valid, scale):
     s = s.masked_fill(~valid[:, :, :, None, :], -math.inf)
     p = torch.softmax(s, dim=-1)
     o = torch.einsum("bthgn,bthnd->bthgd", p, vg)
-    return o.reshape(B, c, HQ, -1).to(q.dtype)
+    return o.reshape(B, c, HQ, v.shape[3]).to(q.dtype)
 
 
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0):

@@ -75,3 +75,39 @@ def dense_causal_attention(q, k, v, scale=None):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def check_empty_inputs(backend: str, B: int, T: int, dtype=F64, win: str | None = None):
+    """Every public function on empty inputs (B = 0 or T = 0: no query) returns empty outputs of the
+    right shape, as torch's scaled_dot_product_attention does, and a backward through nsa_attention
+    gives (empty or zero) gradients of the inputs' shapes. ``backend`` runs the dispatched branches,
+    ``win`` (default: the same) the window branch."""
+    from nsa import NSAAttention
+    from nsa import functional as fn
+
+    cfg = make_config(HQ=4, H=2, Dk=16, Dv=8, l=8, d=4, l_sel=8, n_sel=3, w=8)
+    x = random_inputs(cfg, B, T, dtype=dtype, requires_grad=True)
+    args = [x[a] for a in ARG_ORDER]
+    win = win or backend
+    plan = {"cmp": backend, "sel": backend, "win": win}
+    o, idx = fn.nsa_attention(*args, cfg, backend=plan, return_indices=True)
+    assert o.shape == (B, T, 4, 8) and idx.shape == (B, T, 2, 3) and idx.dtype == torch.int64
+    grads = torch.autograd.grad(o.sum(), args, allow_unused=True)
+    assert all(g is None or (g.shape == a.shape and not g.any()) for g, a in zip(grads, args))
+    with torch.no_grad():  # the forward without gradient (the selected branch's fused gate)
+        assert fn.nsa_attention(*args, cfg, backend=plan).shape == (B, T, 4, 8)
+        q = x["q"]
+        assert fn.compress(x["k_sel"], cfg).shape == (B, cfg.n_cmp(T), 2, 16)
+        o_c, p = fn.compressed_attention(q, x["k_cmp"], x["v_cmp"], cfg)
+        assert o_c.shape == (B, T, 4, 8) and p.shape == (B, T, 4, cfg.n_cmp(T))
+        assert fn.selection_scores(p, cfg, cfg.n_blocks(T)).shape == (B, T, 2, cfg.n_blocks(T))
+        assert fn.select_blocks(torch.zeros(B, T, 2, cfg.n_blocks(T), dtype=dtype), cfg).shape == (B, T, 2, 3)
+        none = torch.full((B, T, 2, 3), -1, dtype=torch.int64)
+        assert fn.selected_attention(q, x["k_sel"], x["v_sel"], none, cfg, backend=backend).shape == (B, T, 4, 8)
+        assert fn.sliding_window_attention(q, x["k_win"], x["v_win"], cfg, backend=win).shape == (B, T, 4, 8)
+        layer = NSAAttention(cfg, backend=plan).to(dtype)
+        xs = torch.zeros(B, T, cfg.dim, dtype=dtype)
+        assert layer(xs).shape == (B, T, cfg.dim)
+        if B:  # a cache needs a batch; T = 0 appends nothing
+            cache = layer.new_cache(B, 16)
+            assert layer(xs, cache).shape == (B, T, cfg.dim) and cache.length == T

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ARG_ORDER, make_config, random_inputs
+from conftest import ARG_ORDER, check_empty_inputs, make_config, random_inputs
 
 from nsa import NSAAttention, NSAConfig, dispatch, reference
 from nsa import functional as fn
@@ -180,6 +180,33 @@ def test_branch_functions_bad_arguments(inputs):
         fn.sliding_window_attention(q, x["k_win"][..., :2], x["v_win"], c)
     with pytest.raises(ValueError, match="k_win: 20 keys but queries reach position 21"):
         fn.sliding_window_attention(q, x["k_win"], x["v_win"], c, q_start=2)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (1000, r"indices: block index 1000 out of range; valid block indices are 0\.\.2 \(ceil\(S / l_sel\) = 3 "
+           r"blocks of S=20 keys\), and -1 for none"),
+    (3, r"indices: block index 3 out of range"),  # one past the last block
+    (-5, r"indices: block index -5 out of range; valid block indices are 0\.\.2"),
+    (-2, r"indices: block index -2 out of range"),
+])
+def test_selected_attention_rejects_out_of_range_indices(inputs, bad, match):
+    """Out-of-range block indices used to give NaN or garbage silently; -1 (none) and 0..nb-1 are valid."""
+    c, x = inputs
+    idx = torch.full((2, 20, 2, 3), -1, dtype=torch.int64)
+    idx[..., 0] = 0
+    idx[1, 19, 1, 1] = 2
+    assert torch.isfinite(fn.selected_attention(x["q"], x["k_sel"], x["v_sel"], idx, c)).all()
+    idx[1, 7, 0, 2] = bad
+    with pytest.raises(ValueError, match=match):
+        fn.selected_attention(x["q"], x["k_sel"], x["v_sel"], idx, c)
+
+
+@pytest.mark.parametrize("B,T", [(0, 20), (2, 0), (0, 0)], ids=["B0", "T0", "B0-T0"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_empty_inputs_give_empty_outputs(B, T, backend):
+    """B = 0 or T = 0 used to raise IndexError, a reshape error or ZeroDivisionError. ``sdpa`` (its
+    CPU path) runs the window branch, the reference the others."""
+    check_empty_inputs("reference", B, T, win=backend)
 
 
 def test_module_bad_inputs():

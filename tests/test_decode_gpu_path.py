@@ -211,8 +211,8 @@ def test_step_guards():
 
 def test_decoder_goes_through_the_dispatch():
     """The decode kernels come from the backend chosen through nsa.dispatch: record() names it for
-    every branch of a step, and a backend that cannot run here (a backend without decode kernels,
-    mixed backends) is refused at construction, naming branch and reason."""
+    every branch of a step, and a backend that cannot run here (bf16 in the interpreter, a backend
+    without decode kernels, mixed backends) is refused at construction, naming branch and reason."""
     cfg = _cfg(4, 2, 16, 16)
     m = NSAAttention(cfg).eval()
     dec = GraphDecoder(m, m.new_cache(1, 4))
@@ -222,6 +222,9 @@ def test_decoder_goes_through_the_dispatch():
     with dispatch.record() as rec:
         dec.attend(dec.last["q"], dec.last["gates"], position=0, branches=("win",))
     assert rec.ran == {"win": "triton"}
+    with pytest.raises(dispatch.BackendUnavailable, match=r"branch 'cmp'.*interpreter.*bf16 tl.dot"):
+        GraphDecoder(m.bfloat16(), m.new_cache(1, 4))
+    m.float()
     with pytest.raises(dispatch.BackendUnavailable, match="'reference' cannot run branches cmp, sel, win in GraphDecoder"):
         GraphDecoder(m, m.new_cache(1, 4), backend="reference")
     with pytest.raises(ValueError, match="one backend"):

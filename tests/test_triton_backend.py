@@ -1,5 +1,6 @@
-"""The triton backend as a whole: its one tuning mechanism (``nsa.backends.triton.tuning``). Runs
-through Triton's interpreter on CPU tensors.
+"""The triton backend as a whole: what it refuses (bfloat16 under the interpreter), its one tuning
+mechanism (``nsa.backends.triton.tuning``), and empty inputs. Runs through Triton's interpreter on
+CPU tensors.
 """
 from __future__ import annotations
 
@@ -13,15 +14,42 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from nsa import NSAAttention, dispatch, functional  # noqa: E402
 from nsa.backends.triton import triton_unsupported, tuning  # noqa: E402
 
-from conftest import make_config, random_inputs  # noqa: E402
+from conftest import ARG_ORDER, check_empty_inputs, make_config, random_inputs  # noqa: E402
 
 _OLD = triton_unsupported()
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs on CPU tensors under TRITON_INTERPRET=1"),
     pytest.mark.skipif(_OLD is not None, reason=_OLD or ""),
 ]
+
+
+def test_triton_refuses_bf16_in_the_interpreter():
+    """The interpreter's bf16 tl.dot is wrong (outputs off by up to 2e9): bf16 on CPU tensors is
+    refused with that reason, for every branch, through the functional API and the module, instead
+    of finishing with wrong numbers. float16 and float32 still run."""
+    cpu = torch.device("cpu")
+    for branch in ("cmp", "sel", "win"):
+        with pytest.raises(dispatch.BackendUnavailable,
+                           match=rf"backend 'triton' cannot run branch '{branch}' on cpu/bfloat16: bfloat16 under "
+                                 r"Triton's interpreter .* bf16 tl.dot returns wrong products"):
+            dispatch.choose(branch, "triton", cpu, torch.bfloat16, None)
+        for dt in (torch.float16, torch.float32):
+            assert dispatch.choose(branch, "triton", cpu, dt, None).name == "triton"
+    cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=8)
+    x = random_inputs(cfg, B=1, T=16, dtype=torch.bfloat16)
+    with pytest.raises(dispatch.BackendUnavailable, match="bf16 tl.dot"):
+        functional.nsa_attention(*(x[a] for a in ARG_ORDER), cfg, backend="triton")
+    with pytest.raises(dispatch.BackendUnavailable, match="bf16 tl.dot"):
+        NSAAttention(cfg, backend="triton").bfloat16()(torch.zeros(1, 16, cfg.dim, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("B,T", [(0, 20), (2, 0), (0, 0)], ids=["B0", "T0", "B0-T0"])
+def test_empty_inputs_give_empty_outputs(B, T):
+    """B = 0 or T = 0 used to raise ZeroDivisionError or a reshape error on this backend."""
+    check_empty_inputs("triton", B, T, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

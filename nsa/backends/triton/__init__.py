@@ -22,6 +22,11 @@ from .utils import poisoned_outputs
 
 __all__ = ["BACKEND", "TritonBackend", "poisoned_outputs", "triton_unsupported"]
 
+# Why bfloat16 is refused under the interpreter: its tl.dot on bf16 inputs returns wrong products
+# (outputs off by up to 2e9 on the layer's shapes), so a run there would finish with wrong numbers.
+INTERPRETER_BF16 = ("bfloat16 under Triton's interpreter (TRITON_INTERPRET=1 on CPU tensors): its bf16 tl.dot "
+                    "returns wrong products; use float32 or float16 there, or a CUDA device")
+
 
 def triton_unsupported() -> str | None:
     """Why the installed triton cannot run these kernels, or None (from ``triton.__version__``).
@@ -46,8 +51,10 @@ class TritonBackend(Backend):
             return f"triton is not installed ({e})"
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"dtype {dtype} unsupported (float16, bfloat16, float32)"
-        if device.type == "cuda" or (device.type == "cpu" and env.triton_interpret()):
+        if device.type == "cuda":
             return triton_unsupported()
+        if device.type == "cpu" and env.triton_interpret():
+            return INTERPRETER_BF16 if dtype == torch.bfloat16 else triton_unsupported()
         return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None):
