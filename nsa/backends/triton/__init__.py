@@ -9,7 +9,7 @@ decode step of ``nsa.decode.GraphDecoder``).
 
 One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12), ``selection``,
 ``window``, ``attention_bwd`` (the compressed and window backward), ``gate`` (Eq. 5), ``rowdot``
-(the backward's delta), ``decode``; ``tiles`` holds the @triton.jit helpers several of them share,
+(the backward's delta), ``decode``; ``tiles`` holds the JIT tile helpers several of them share,
 ``utils`` the host-side ones, ``tuning`` every launch parameter.
 """
 from __future__ import annotations
