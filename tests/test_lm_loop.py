@@ -94,6 +94,7 @@ def test_curriculum_switches_stages(tmp_path):
     (["train.curriculum=[{steps: 9, batch: 1, data: {}}]", "train.steps=9"], r"train.curriculum: its stages take all"),
     (["train.curriculum=[{steps: 1, batch: 1, data: {seq_len: 8}}]"], r"train.curriculum\[0\]: data.seq_len=8: too short"),
     (["+train.colour=red"], r"train: unknown key\(s\) \['colour'\]"),
+    (["train.lr=fast"], r"train.lr='fast': must be a number"),
     (["attention.kind=sparse"], r"attention.kind='sparse'"),
     (["dtype=float16"], r"dtype='float16': training runs in one of"),
     (["lm.nsa.d_k=7"], r"NSAConfig.d_k|lm.nsa.d_k=7"),

@@ -73,14 +73,6 @@ class TrainConfig:
     curriculum: tuple = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "curriculum", tuple(dict(s) for s in self.curriculum))
-        for i, st in enumerate(self.curriculum):
-            if set(st) != {"steps", "batch", "data"}:
-                raise ValueError(f"train.curriculum[{i}]: needs exactly the keys steps, batch, data; got {sorted(st)}")
-            _int(f"train.curriculum[{i}].steps", st["steps"], 1)
-            _int(f"train.curriculum[{i}].batch", st["batch"], 1)
-        if sum(st["steps"] for st in self.curriculum) >= self.steps:
-            raise ValueError(f"train.curriculum: its stages take all of train.steps={self.steps}; the main stage needs steps")
         for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
             _int(f"train.{f}", getattr(self, f), 1)
         for f in ("warmup", "eval_batches"):
@@ -88,6 +80,10 @@ class TrainConfig:
         for f in ("eval_every", "ckpt_every"):
             if getattr(self, f) % self.log_every:
                 raise ValueError(f"train.{f}={getattr(self, f)}: must be a multiple of log_every={self.log_every}")
+        for f in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "time_limit_s"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
+                raise ValueError(f"train.{f}={v!r}: must be a number")
         if not self.lr > 0:
             raise ValueError(f"train.lr={self.lr!r}: must be positive")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -100,6 +96,14 @@ class TrainConfig:
                 raise ValueError(f"train.{f}={getattr(self, f)!r}: must be in [0, 1)")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"train.time_limit_s={self.time_limit_s!r}: must be positive or null")
+        object.__setattr__(self, "curriculum", tuple(dict(s) for s in self.curriculum))
+        for i, st in enumerate(self.curriculum):
+            if set(st) != {"steps", "batch", "data"}:
+                raise ValueError(f"train.curriculum[{i}]: needs exactly the keys steps, batch, data; got {sorted(st)}")
+            _int(f"train.curriculum[{i}].steps", st["steps"], 1)
+            _int(f"train.curriculum[{i}].batch", st["batch"], 1)
+        if sum(st["steps"] for st in self.curriculum) >= self.steps:
+            raise ValueError(f"train.curriculum: its stages take all of train.steps={self.steps}; the main stage needs steps")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of update ``step`` (1-based): linear warm-up, then cosine decay."""
@@ -151,7 +155,8 @@ class RunConfig:
     def from_conf(cls, cfg) -> RunConfig:
         """From the composed ``conf/train.yaml`` (an OmegaConf node or a dict): reads ``lm``,
         ``attention.kind``, ``data``, ``train``, ``backend`` (its ``cmp/sel/win`` and ``fallback``),
-        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``."""
+        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``. Call it on the config
+        the framework has resolved (hardware=auto replaced by the detected profile, backends by names)."""
         from omegaconf import OmegaConf
 
         c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
