@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.lm.cost import step_flops
@@ -46,6 +47,16 @@ def test_smoke_preset_is_the_cpu_default():
     assert RunConfig.from_conf(compose_train("data=retrieval", "attention=dense")).attention == "dense"
 
 
+def test_an_entry_point_passes_what_it_resolved():
+    """The framework's hardware policy picks backends and the dtype; from_conf takes them over the config's."""
+    cfg = compose_train("train=retrieval32k")
+    run = RunConfig.from_conf(cfg, backend={"cmp": "triton", "sel": "triton", "win": "sdpa"}, fallback="reference",
+                              dtype=torch.float32)
+    assert run.backend == {"cmp": "triton", "sel": "triton", "win": "sdpa"} and run.fallback == "reference"
+    assert run.dtype == "float32"
+    assert RunConfig.from_conf(cfg, backend="reference").backend == dict.fromkeys(("cmp", "sel", "win"), "reference")
+
+
 @pytest.mark.parametrize("attention", ["nsa", "dense", "window"])
 def test_retrieval32k_preset(attention):
     cfg = compose_train("train=retrieval32k", f"attention={attention}")
@@ -57,8 +68,6 @@ def test_retrieval32k_preset(attention):
     for task in (short, main):
         assert task.gap >= run.lm.attention_config().w  # no pair within the window of any query
     # The numbers the preset's comment quotes (TFLOP per step).
-    import torch
-
     with torch.device("meta"):
         model = build_model(run)
     got = {T: round(step_flops(model, T, B)["total"] / 1e12, 2) for T, B in ((32768, 1), (2048, 16))}

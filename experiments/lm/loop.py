@@ -152,20 +152,23 @@ class RunConfig:
                                  "(each sampled row needs more than n_sel candidate blocks)")
 
     @classmethod
-    def from_conf(cls, cfg) -> RunConfig:
+    def from_conf(cls, cfg, *, backend=None, fallback=None, dtype=None) -> RunConfig:
         """From the composed ``conf/train.yaml`` (an OmegaConf node or a dict): reads ``lm``,
         ``attention.kind``, ``data``, ``train``, ``backend`` (its ``cmp/sel/win`` and ``fallback``),
-        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``. Call it on the config
-        the framework has resolved (hardware=auto replaced by the detected profile, backends by names)."""
+        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``. An entry point
+        passes what its framework resolved (the hardware policy's backends, the profile's dtype) as
+        ``backend`` / ``fallback`` / ``dtype`` (a name or a torch.dtype); those replace the config's."""
         from omegaconf import OmegaConf
 
         c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
-        be = c.get("backend", "reference")
-        fallback = None
+        be = c.get("backend", "reference") if backend is None else backend
+        if backend is None and isinstance(be, Mapping):
+            fallback = be.get("fallback") if fallback is None else fallback
         if isinstance(be, Mapping):
-            fallback = be.get("fallback")
             be = {b: be[b] for b in dispatch.BRANCHES if be.get(b) is not None}
-        dtype = c.get("dtype") or (c.get("hardware") or {}).get("dtype") or "float32"
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        dtype = dtype or c.get("dtype") or (c.get("hardware") or {}).get("dtype") or "float32"
         return cls(lm=_build(LMConfig, c["lm"], "lm"), attention=c["attention"]["kind"], data=dict(c["data"]),
                    train=_build(TrainConfig, c["train"], "train"), backend=be, fallback=fallback, dtype=dtype,
                    seed=c.get("seed", 0), streams=c.get("streams", True))
