@@ -21,9 +21,9 @@ Per logged step (``log_every`` steps, averaged over them): ``loss``, ``accuracy`
 target positions: the answers of the retrieval task, every next byte of the text), ``tokens_per_s``,
 ``model_tflop_per_s`` (``cost.step_flops`` over the wall time), ``grad_norm`` (before clipping),
 ``lr``, ``seq_len`` (of the curriculum stage), the memory high-water mark (``peak_mem_gib``: CUDA
-``max_memory_allocated`` over the interval; on the CPU ``rss_peak_gib``, the process's resident-set
-high-water mark since it started), and for NSA ``gate_{cmp,sel,win}`` (mean over layers, and
-``_l<i>`` per layer). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
+``max_memory_allocated`` over the interval's training steps; on the CPU ``rss_peak_gib``, the
+process's resident-set high-water mark since it started), and for NSA ``gate_{cmp,sel,win}`` (mean
+over layers, and ``_l<i>`` per layer). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
 ``eval_batches`` held-out batches and, for NSA, ``sel_mass`` / ``sel_recall`` over the last
 ``sel_rows`` positions of the first held-out batch (``probes.selection_quality``; ``_l<i>`` per layer).
 """
@@ -236,10 +236,10 @@ def _loss(model, tokens, targets):
 
 
 def _memory_metrics(device) -> dict[str, float]:
+    """The memory high-water mark: on CUDA since ``_Window.reset`` (training steps only), on the CPU
+    since the process started."""
     if device.type == "cuda":
-        m = {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-        torch.cuda.reset_peak_memory_stats(device)
-        return m
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"rss_peak_gib": kib / (2**30 if sys.platform == "darwin" else 2**20)}
 
@@ -307,6 +307,8 @@ class _Window:
         self.loss, self.gnorm = z.clone(), z.clone()
         self.correct, self.n = z.long(), z.long()
         self.steps, self.tokens, self.flops = 0, 0, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.t0 = time.perf_counter()
 
     def add(self, loss, correct, n, gnorm, tokens: int, flops: float):
@@ -370,8 +372,6 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     gates = probes.GateMeans(model.nsa_layers())
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     last_metrics, completed, t_start = {}, True, time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     window = _Window(device)
     model.train()
     while step < tc.steps:
@@ -391,7 +391,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
         if step % tc.log_every and step != tc.steps:
             continue
-        metrics = {**window.take(), "lr": lr, "seq_len": task.seq_len, **_memory_metrics(device), **gates.take()}
+        metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
         if step > logged_through:
             if tc.eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
                 gates.active = False
@@ -405,6 +405,6 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         if out_of_time and step < tc.steps:
             completed = False
             break
-        window.reset()  # evaluation and checkpoints do not count in tokens_per_s
+        window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
     gates.remove()
     return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model)}
