@@ -82,7 +82,7 @@ def test_resume_refuses_another_run_or_config(tmp_path):
 
 
 def test_curriculum_switches_stages(tmp_path):
-    stage = "train.curriculum=[{steps: 2, batch: 4, data: {seq_len: 64, n_pairs: 4, n_queries: 4}}]"
+    stage = "train.curriculum=[{steps: 2, batch: 4, data: {seq_len: 64, n_pairs: 4, n_queries: 4, gap: 16}}]"
     _, logged = run(run_config("train.steps=4", stage, *TINY_RETRIEVAL), tmp_path)
     assert [m["seq_len"] for _, m in logged] == [64, 64, 96, 96]
     assert logged[-1][1]["val_accuracy"] >= 0  # evaluation runs on the main stage

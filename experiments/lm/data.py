@@ -10,8 +10,9 @@ consumed), stored in the checkpoint, and a resumed run sees the batches an unint
   long context. ``n_pairs`` key/value pairs ``k v`` lie at random positions among filler tokens;
   the last ``2 * n_queries`` tokens ask ``n_queries`` of the keys again, each followed by its
   value. The loss is taken at the queried keys only (predict the value that follows). No pair lies
-  within ``gap`` tokens of the query region, so attention limited to the last ``gap`` tokens can
-  only guess (accuracy 1 / n_values).
+  within ``gap`` tokens of the query region. A stack of L sliding-window layers reaches L (w - 1)
+  tokens back, so with ``gap >= L (w - 1)`` the window model can only guess (accuracy 1 / n_values);
+  with a smaller gap it can relay the last pairs through its layers.
 * :class:`Text`: byte-level language modelling on the English documentation text that CPython ships
   in its standard library (``pydoc_data.topics``, ~465 KB in 3.11), every 8th topic (~8 % of the text) held out for
   validation; training windows are drawn without replacement, reshuffled every epoch.
