@@ -1,0 +1,55 @@
+"""One checkpoint file per run directory, replaced atomically.
+
+``save`` writes ``<dir>/.last.pt.tmp``, flushes it to disk and renames it over ``<dir>/last.pt``
+(``os.replace`` is atomic on POSIX): a process killed at any moment leaves either the previous
+checkpoint or the new one, never a torn file. ``peek`` reads only what an entry point needs to
+reopen the run (its ``run_id`` and ``step``) without loading the tensors into memory.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+NAME = "last.pt"
+FORMAT = 1
+
+
+def path(ckpt_dir) -> Path:
+    return Path(ckpt_dir) / NAME
+
+
+def save(ckpt_dir, state: dict) -> Path:
+    d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final, tmp = d / NAME, d / f".{NAME}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fd = os.open(d, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return final
+
+
+def load(ckpt_dir, map_location="cpu", mmap: bool = False) -> dict | None:
+    """The checkpoint in ``ckpt_dir``, or None if there is none."""
+    p = path(ckpt_dir)
+    if not p.exists():
+        return None
+    state = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{p}: checkpoint format {state.get('format')!r}, this code reads {FORMAT}")
+    return state
+
+
+def peek(ckpt_dir) -> dict | None:
+    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None if none): an entry point
+    reopens that tracking run before it calls the training loop."""
+    state = load(ckpt_dir, mmap=True)
+    return None if state is None else {"run_id": state["run_id"], "step": state["step"]}

@@ -1,0 +1,172 @@
+"""Training data, generated or read in process (no download): a long-range retrieval task and a
+small real text corpus.
+
+A task hands out batches ``(tokens [B,T] int64, targets [B,T] int64)``; ``targets`` is
+``IGNORE`` (-100, ``F.cross_entropy``'s ``ignore_index``) where no loss is taken. Batch ``i`` of a
+split is a pure function of ``(seed, split, i)``: the data position is one integer (batches
+consumed), stored in the checkpoint, and a resumed run sees the batches an uninterrupted one sees.
+
+* :class:`Retrieval`: multi-query associative recall (MQAR; Arora et al. 2023, "Zoology") over a
+  long context. ``n_pairs`` key/value pairs ``k v`` lie at random positions among filler tokens;
+  the last ``2 * n_queries`` tokens ask ``n_queries`` of the keys again, each followed by its
+  value. The loss is taken at the queried keys only (predict the value that follows). No pair lies
+  within ``gap`` tokens of the query region. A stack of L sliding-window layers reaches L (w - 1)
+  tokens back, so with ``gap >= L (w - 1)`` the window model can only guess (accuracy 1 / n_values);
+  with a smaller gap it can relay the last pairs through its layers.
+* :class:`Text`: byte-level language modelling on the English documentation text that CPython ships
+  in its standard library (``pydoc_data.topics``, ~465 KB in 3.11), every 8th topic (~8 % of the text) held out for
+  validation; training windows are drawn without replacement, reshuffled every epoch.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+SPLITS = ("train", "val")
+
+
+def generator(seed: int, split: str, index: int) -> torch.Generator:
+    """A CPU generator for batch ``index`` of ``split``, the same on every machine and Python."""
+    key = hashlib.blake2b(f"{seed}/{split}/{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+
+
+def _check_split(split):
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: must be one of {SPLITS}")
+
+
+def _int_at_least(name: str, v, lo: int):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+
+
+def _positive(prefix: str, obj, names):
+    for f in names:
+        _int_at_least(f"{prefix}.{f}", getattr(obj, f), 1)
+
+
+@dataclass(frozen=True)
+class Retrieval:
+    """MQAR (see the module docstring). Token ids: values ``[0, n_values)``, keys
+    ``[n_values, n_values + n_keys)``, filler after them."""
+
+    seq_len: int
+    n_pairs: int
+    n_queries: int
+    n_keys: int
+    n_values: int
+    n_filler: int
+    gap: int
+    seed: int = 0
+    task: str = "retrieval"
+
+    def __post_init__(self):
+        _positive("data", self, ("seq_len", "n_pairs", "n_queries", "n_keys", "n_values", "n_filler"))
+        _int_at_least("data.gap", self.gap, 0)
+        if self.n_pairs > self.n_keys:
+            raise ValueError(f"data.n_pairs={self.n_pairs}: must be <= n_keys={self.n_keys} (keys are distinct)")
+        if self.n_queries > self.n_pairs:
+            raise ValueError(f"data.n_queries={self.n_queries}: must be <= n_pairs={self.n_pairs}")
+        if self.context < 2 * self.n_pairs:
+            need = 2 * self.n_pairs + 2 * self.n_queries + self.gap
+            raise ValueError(f"data.seq_len={self.seq_len}: too short for {self.n_pairs} pairs, the gap of {self.gap} "
+                             f"and {self.n_queries} queries (needs >= {need})")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.n_values + self.n_keys + self.n_filler
+
+    @property
+    def context(self) -> int:
+        """Tokens before the gap: the pairs lie in ``[0, context)``."""
+        return self.seq_len - 2 * self.n_queries - self.gap
+
+    def batch(self, split: str, index: int, batch_size: int):
+        _check_split(split)
+        g = generator(self.seed, split, index)
+        B, T, P, Q, V = batch_size, self.seq_len, self.n_pairs, self.n_queries, self.n_values
+        tok = V + self.n_keys + torch.randint(self.n_filler, (B, T), generator=g)
+        keys = V + torch.rand(B, self.n_keys, generator=g).argsort(-1)[:, :P]  # distinct keys per row
+        vals = torch.randint(V, (B, P), generator=g)
+        # P non-overlapping pair starts in [0, context - 1): sorted distinct draws s_i, start_i = s_i + i.
+        s = torch.rand(B, self.context - P, generator=g).argsort(-1)[:, :P].sort(-1).values
+        start = s + torch.arange(P)
+        rows = torch.arange(B)[:, None]
+        tok[rows, start], tok[rows, start + 1] = keys, vals
+        ask = torch.rand(B, P, generator=g).argsort(-1)[:, :Q]  # which pairs are queried, in which order
+        qpos = T - 2 * Q + 2 * torch.arange(Q)
+        tok[rows, qpos], tok[rows, qpos + 1] = keys.gather(1, ask), vals.gather(1, ask)
+        tgt = torch.full((B, T), IGNORE, dtype=torch.int64)
+        tgt[rows, qpos] = vals.gather(1, ask)  # at a queried key, predict its value
+        return tok, tgt
+
+
+def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
+    """The text of ``pydoc_data.topics`` (CPython's standard library) as bytes: topics in sorted order,
+    every ``val_stride``-th one (indices val_stride-1, 2*val_stride-1, ..) in ``val``, the rest in ``train``."""
+    from pydoc_data.topics import topics
+
+    _check_split(split)
+    names = [k for i, k in enumerate(sorted(topics)) if (i % val_stride == val_stride - 1) == (split == "val")]
+    text = "\n\n".join(topics[k] for k in names)
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+@dataclass(frozen=True)
+class Text:
+    """Byte-level next-token prediction on :func:`corpus_bytes` (vocabulary 256), split by topic.
+    A split's windows are its non-overlapping ``seq_len + 1``-byte windows; training visits them in
+    a fresh permutation every epoch, validation batch i takes windows i*B.. of one fixed permutation."""
+
+    seq_len: int
+    val_stride: int = 8
+    seed: int = 0
+    task: str = "text"
+
+    def __post_init__(self):
+        _positive("data", self, ("seq_len",))
+        _int_at_least("data.val_stride", self.val_stride, 2)
+        text = {split: corpus_bytes(split, self.val_stride) for split in SPLITS}
+        for split, b in text.items():
+            if len(b) < self.seq_len + 1:
+                raise ValueError(f"data.seq_len={self.seq_len}: the {split} split has only {len(b)} bytes")
+        object.__setattr__(self, "_bytes", text)
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def windows(self, split: str) -> int:
+        return (len(self._bytes[split]) - 1) // self.seq_len
+
+    def batch(self, split: str, index: int, batch_size: int):
+        _check_split(split)
+        n = self.windows(split)
+        items = range(index * batch_size, (index + 1) * batch_size)
+        # Item i is window perm_e[i % n] of epoch e = i // n (validation: always epoch 0).
+        epochs = {i // n if split == "train" else 0 for i in items}
+        perms = {e: torch.randperm(n, generator=generator(self.seed, split, e)) for e in epochs}
+        win = torch.stack([perms[i // n if split == "train" else 0][i % n] for i in items])
+        idx = win[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
+        chunk = self._bytes[split][idx].long()
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+TASKS = {"retrieval": Retrieval, "text": Text}
+
+
+def make_task(data: dict, seed: int):
+    """The task named by ``data['task']`` (``conf/data/*.yaml``), with the run's seed."""
+    data = dict(data)
+    task = data.get("task")
+    if task not in TASKS:
+        raise ValueError(f"data.task={task!r}: must be one of {tuple(TASKS)}")
+    known = {f for f in TASKS[task].__dataclass_fields__}
+    extra = sorted(set(data) - known)
+    if extra:
+        raise ValueError(f"data: unknown field(s) {extra} for task {task!r}; known: {sorted(known - {'seed'})}")
+    return TASKS[task](**{**data, "seed": seed})

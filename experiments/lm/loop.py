@@ -1,0 +1,410 @@
+"""The training loop: explicit arguments in, metrics out through a callback, checkpoints on disk.
+
+    summary = train(cfg, device=torch.device("cuda"), log=log, ckpt_dir=run_dir / "ckpt", run_id=run.info.run_id,
+                    logged_through=last_step_in_the_tracking_store)
+
+The callback contract (what an entry point must provide):
+
+* ``log(metrics: dict[str, float], step: int)`` is called once per logged step, steps increasing,
+  only for steps > ``logged_through``. It returns once the metrics are durable (MLflow's
+  synchronous ``log_metrics``): the loop writes a checkpoint only after the step's metrics are logged.
+* Resuming: if ``ckpt_dir`` holds a checkpoint, the loop continues from it; the checkpoint must
+  carry the same ``run_id`` (the caller reads it first with ``checkpoint.peek(ckpt_dir)`` to reopen
+  that run) and the same configuration (``time_limit_s`` may differ). Steps between the checkpoint
+  and ``logged_through`` are recomputed and not logged again, so the curve has each step once and
+  no gap. On the CPU the recomputed steps equal the lost ones bit for bit (tested); CUDA kernels
+  with atomics make GPU steps reproducible only to rounding.
+* A fresh run writes a step-0 checkpoint before its first step, so a run killed at any point after
+  ``train`` starts resumes into the same ``run_id``.
+
+Per logged step (``log_every`` steps, averaged over them): ``loss``, ``accuracy`` (argmax over the
+target positions: the answers of the retrieval task, every next byte of the text), ``tokens_per_s``,
+``model_tflop_per_s`` (``cost.step_flops`` over the wall time), ``grad_norm`` (before clipping),
+``lr``, ``seq_len`` (of the curriculum stage), the memory high-water mark (``peak_mem_gib``: CUDA
+``max_memory_allocated`` over the interval's training steps; on the CPU ``rss_peak_gib``, the
+process's resident-set high-water mark since it started), and for NSA ``gate_{cmp,sel,win}`` (mean
+over layers, and ``_l<i>`` per layer). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
+``eval_batches`` held-out batches and, for NSA, ``sel_mass`` / ``sel_recall`` over the last
+``sel_rows`` positions of the first held-out batch (``probes.selection_quality``; ``_l<i>`` per layer).
+"""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from nsa import dispatch
+
+from . import checkpoint, cost, probes
+from .data import IGNORE, make_task
+from .model import ATTENTION, LM, LMConfig, count_parameters
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
+RESUMABLE_CHANGES = {"train.time_limit_s"}  # config keys a resumed run may change
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The ``train:`` node of ``conf/train/*.yaml``."""
+
+    steps: int
+    batch: int
+    lr: float
+    warmup: int = 0
+    min_lr_ratio: float = 0.1  # cosine decay from lr to min_lr_ratio * lr at the last step
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0: no clipping
+    log_every: int = 1
+    eval_every: int = 100
+    eval_batches: int = 1  # 0: no evaluation
+    ckpt_every: int = 100
+    sel_rows: int = 64
+    time_limit_s: float | None = None  # stop (checkpointed, resumable) at the first log step past it
+    # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
+    # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
+    curriculum: tuple = ()
+
+    def __post_init__(self):
+        for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
+            _int(f"train.{f}", getattr(self, f), 1)
+        for f in ("warmup", "eval_batches"):
+            _int(f"train.{f}", getattr(self, f), 0)
+        for f in ("eval_every", "ckpt_every"):
+            if getattr(self, f) % self.log_every:
+                raise ValueError(f"train.{f}={getattr(self, f)}: must be a multiple of log_every={self.log_every}")
+        for f in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "time_limit_s"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
+                raise ValueError(f"train.{f}={v!r}: must be a number")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr={self.lr!r}: must be positive")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
+        for f in ("weight_decay", "grad_clip"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"train.{f}={getattr(self, f)!r}: must be >= 0")
+        for f in ("beta1", "beta2"):
+            if not 0 <= getattr(self, f) < 1:
+                raise ValueError(f"train.{f}={getattr(self, f)!r}: must be in [0, 1)")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"train.time_limit_s={self.time_limit_s!r}: must be positive or null")
+        object.__setattr__(self, "curriculum", tuple(dict(s) for s in self.curriculum))
+        for i, st in enumerate(self.curriculum):
+            if set(st) != {"steps", "batch", "data"}:
+                raise ValueError(f"train.curriculum[{i}]: needs exactly the keys steps, batch, data; got {sorted(st)}")
+            _int(f"train.curriculum[{i}].steps", st["steps"], 1)
+            _int(f"train.curriculum[{i}].batch", st["batch"], 1)
+        if sum(st["steps"] for st in self.curriculum) >= self.steps:
+            raise ValueError(f"train.curriculum: its stages take all of train.steps={self.steps}; the main stage needs steps")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of update ``step`` (1-based): linear warm-up, then cosine decay."""
+        if step <= self.warmup:
+            return self.lr * step / self.warmup
+        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything the loop needs, from the composed Hydra config (:meth:`from_conf`) or by hand.
+    ``backend``: a backend name or ``{cmp, sel, win}`` (NSA's branches; the window model uses
+    ``win``); ``dtype``: ``float32``, or ``bfloat16`` (autocast over float32 weights)."""
+
+    lm: LMConfig
+    attention: str
+    data: Mapping
+    train: TrainConfig
+    backend: str | Mapping = "reference"
+    fallback: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    streams: bool = True
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention.kind={self.attention!r}: must be one of {ATTENTION}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
+        _int("seed", self.seed, 0)
+        object.__setattr__(self, "backend", dispatch.resolve(self.backend))
+        task = self.stages()[-1][1]  # checks the data node and every stage's
+        acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
+        if acfg.d_k % 2:
+            raise ValueError(f"lm.nsa.d_k={acfg.d_k}: must be even (RoPE rotates pairs of dims)")
+        if self.attention == "nsa" and self.train.eval_batches:
+            most = task.seq_len - acfg.n_sel * acfg.l_sel
+            if self.train.sel_rows > most:
+                raise ValueError(f"train.sel_rows={self.train.sel_rows}: must be <= data.seq_len - n_sel * l_sel = {most} "
+                                 "(each sampled row needs more than n_sel candidate blocks)")
+
+    @classmethod
+    def from_conf(cls, cfg, *, backend=None, fallback=None, dtype=None) -> RunConfig:
+        """From the composed ``conf/train.yaml`` (an OmegaConf node or a dict): reads ``lm``,
+        ``attention.kind``, ``data``, ``train``, ``backend`` (its ``cmp/sel/win`` and ``fallback``),
+        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``. An entry point
+        passes what its framework resolved (the hardware policy's backends, the profile's dtype) as
+        ``backend`` / ``fallback`` / ``dtype`` (a name or a torch.dtype); those replace the config's."""
+        from omegaconf import OmegaConf
+
+        c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+        be = c.get("backend", "reference") if backend is None else backend
+        if backend is None and isinstance(be, Mapping):
+            fallback = be.get("fallback") if fallback is None else fallback
+        if isinstance(be, Mapping):
+            be = {b: be[b] for b in dispatch.BRANCHES if be.get(b) is not None}
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        dtype = dtype or c.get("dtype") or (c.get("hardware") or {}).get("dtype") or "float32"
+        return cls(lm=_build(LMConfig, c["lm"], "lm"), attention=c["attention"]["kind"], data=dict(c["data"]),
+                   train=_build(TrainConfig, c["train"], "train"), backend=be, fallback=fallback, dtype=dtype,
+                   seed=c.get("seed", 0), streams=c.get("streams", True))
+
+    def stages(self) -> list[tuple[int, object, int]]:
+        """``(last step, task, batch)`` per stage, the main stage last."""
+        out, end = [], 0
+        for i, st in enumerate(self.train.curriculum):
+            end += st["steps"]
+            try:
+                task = make_task({**self.data, **st["data"]}, self.seed)
+            except ValueError as e:
+                raise ValueError(f"train.curriculum[{i}]: {e}") from e
+            out.append((end, task, st["batch"]))
+        return out + [(self.train.steps, make_task(self.data, self.seed), self.train.batch)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["data"], d["backend"] = dict(self.data), dict(self.backend)
+        d["lm"]["nsa"] = dict(self.lm.nsa)
+        return d
+
+
+def _build(cls, node: Mapping, prefix: str):
+    names = {f.name for f in fields(cls)}
+    extra = sorted(set(node) - names)
+    if extra:
+        raise ValueError(f"{prefix}: unknown key(s) {extra}; known: {sorted(names)}")
+    missing = sorted(f.name for f in fields(cls) if f.name not in node and f.default is f.default_factory is MISSING)
+    if missing:
+        raise ValueError(f"{prefix}: missing key(s) {missing}")
+    return cls(**node)
+
+
+def _flatten(d: Mapping, prefix="") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def build_model(cfg: RunConfig, device=None) -> LM:
+    vocab = {task.vocab_size for _, task, _ in cfg.stages()}
+    if len(vocab) > 1:
+        raise ValueError(f"train.curriculum: its stages' vocabularies {sorted(vocab)} differ from the main stage's")
+    return LM(cfg.lm, vocab.pop(), cfg.attention, backend=cfg.backend, fallback=cfg.fallback,
+              streams=cfg.streams).to(device)
+
+
+def parameter_counts(cfg: RunConfig) -> dict[str, int]:
+    """``model.count_parameters`` of the configured model, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return count_parameters(build_model(cfg))
+
+
+def _loss(model, tokens, targets):
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+    mask = targets != IGNORE
+    correct = ((logits.argmax(-1) == targets) & mask).sum()
+    return loss, correct, mask.sum()
+
+
+def _memory_metrics(device) -> dict[str, float]:
+    """The memory high-water mark: on CUDA since ``_Window.reset`` (training steps only), on the CPU
+    since the process started."""
+    if device.type == "cuda":
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"rss_peak_gib": kib / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+@torch.no_grad()
+def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, float]:
+    """Held-out loss and accuracy, and the NSA layers' selection quality on the first batch."""
+    model.eval()
+    tot = {"loss": 0.0, "correct": 0, "n": 0}
+    sel = {}
+    layers = model.nsa_layers()
+    for i in range(cfg.train.eval_batches):
+        tokens, targets = (t.to(device) for t in task.batch("val", i, cfg.train.batch))
+        with probes.layer_inputs(layers) as xs, autocast():
+            loss, correct, n = _loss(model, tokens, targets)
+        tot["loss"] += float(loss) / cfg.train.eval_batches
+        tot["correct"] += int(correct)
+        tot["n"] += int(n)
+        if i == 0:
+            for j, (layer, x) in enumerate(zip(layers, xs)):
+                q = probes.selection_quality(layer, x, cfg.train.sel_rows)
+                sel[f"sel_mass_l{j}"], sel[f"sel_recall_l{j}"] = q["mass"], q["recall"]
+    model.train()
+    out = {"val_loss": tot["loss"], "val_accuracy": tot["correct"] / max(1, tot["n"])}
+    if layers:
+        for key in ("sel_mass", "sel_recall"):
+            out[key] = sum(sel[f"{key}_l{j}"] for j in range(len(layers))) / len(layers)
+        out.update(sel)
+    return out
+
+
+def _resume(state: dict, cfg: RunConfig, run_id: str, model, opt, device) -> tuple[int, int]:
+    if state["run_id"] != run_id:
+        raise ValueError(f"run_id={run_id!r}: the checkpoint belongs to run {state['run_id']!r} "
+                         "(read it with experiments.lm.checkpoint.peek and resume that run)")
+    old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    if diff:
+        raise ValueError("config: differs from the checkpoint's in " + ", ".join(
+            f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff))
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"], state["data_position"]
+
+
+def _save(ckpt_dir, cfg, run_id, step, position, model, opt, device):
+    rng = {"torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None}
+    checkpoint.save(ckpt_dir, {"run_id": run_id, "step": step, "data_position": position, "config": cfg.to_dict(),
+                               "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng})
+
+
+class _Window:
+    """Sums over the steps since the last logged one, kept on the device (no host sync per step)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        z = torch.zeros((), device=self.device)
+        self.loss, self.gnorm = z.clone(), z.clone()
+        self.correct, self.n = z.long(), z.long()
+        self.steps, self.tokens, self.flops = 0, 0, 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+
+    def add(self, loss, correct, n, gnorm, tokens: int, flops: float):
+        self.loss += loss.detach().float()
+        self.gnorm += gnorm.float()
+        self.correct += correct
+        self.n += n
+        self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + tokens, self.flops + flops
+
+    def take(self) -> dict[str, float]:
+        out = {"loss": float(self.loss) / self.steps, "accuracy": int(self.correct) / max(1, int(self.n)),
+               "grad_norm": float(self.gnorm) / self.steps}  # these reads wait for the device
+        dt = time.perf_counter() - self.t0
+        out.update(tokens_per_s=self.tokens / dt, model_tflop_per_s=self.flops / dt / 1e12)
+        self.reset()
+        return out
+
+
+def _optimizer(model, tc: TrainConfig):
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings; not norms and biases
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0.0}],
+                             lr=tc.lr, betas=(tc.beta1, tc.beta2))
+
+
+def _check_backends(cfg: RunConfig, device, dtype):
+    """A backend that cannot run here fails now, naming the branch and why (the window model takes no fallback)."""
+    if cfg.attention == "nsa":
+        for b in dispatch.BRANCHES:
+            dispatch.choose(b, cfg.backend[b], device, dtype, cfg.fallback)
+    elif cfg.attention == "window":
+        dispatch.choose("win", cfg.backend["win"], device, dtype, None)
+
+
+def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], None], ckpt_dir, run_id: str,
+          logged_through: int = 0) -> dict:
+    """Train ``cfg`` on ``device`` to ``cfg.train.steps`` (or to ``time_limit_s``), resuming from
+    ``ckpt_dir`` if it holds a checkpoint. See the module docstring for the callback contract.
+    Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters)}``."""
+    device = torch.device(device)
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
+    _int("logged_through", logged_through, 0)
+    tc, dtype = cfg.train, DTYPES[cfg.dtype]
+    _check_backends(cfg, device, dtype)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    torch.manual_seed(cfg.seed)
+    stages = cfg.stages()
+    model = build_model(cfg, device)
+    opt = _optimizer(model, tc)
+    state = checkpoint.load(ckpt_dir, map_location=device)
+    if state is not None:
+        step, position = _resume(state, cfg, run_id, model, opt, device)
+    else:
+        step, position = 0, 0
+        _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
+    del state
+    gates = probes.GateMeans(model.nsa_layers())
+    flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
+    last_metrics, completed, t_start = {}, True, time.perf_counter()
+    window = _Window(device)
+    model.train()
+    while step < tc.steps:
+        lr = tc.lr_at(step + 1)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
+        _, task, batch = stages[stage]
+        tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
+        with autocast():
+            loss, correct, n = _loss(model, tokens, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        opt.step()
+        step, position = step + 1, position + 1
+        window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
+        if step % tc.log_every and step != tc.steps:
+            continue
+        metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
+        if step > logged_through:
+            if tc.eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
+                gates.active = False
+                metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast))
+                gates.active = True
+            log(metrics, step)
+            last_metrics = metrics
+        out_of_time = tc.time_limit_s is not None and time.perf_counter() - t_start > tc.time_limit_s
+        if step % tc.ckpt_every == 0 or step == tc.steps or out_of_time:
+            _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
+        if out_of_time and step < tc.steps:
+            completed = False
+            break
+        window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
+    gates.remove()
+    return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model)}

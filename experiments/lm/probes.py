@@ -1,0 +1,153 @@
+"""What the NSA layers do while they train: their gates, and how well they select.
+
+* :class:`GateMeans`: a forward hook on each layer's gate MLP (``NSAAttention.gate``, whose output
+  the layer maps through a sigmoid to ``[B,T,HQ,3]`` in the order (cmp, sel, win), paper Eq. 5)
+  accumulates the mean gate value per branch on the device, without a host sync per step.
+* :func:`selection_quality`: for the last ``rows`` query positions of a sequence, in float32,
+  the share of full attention's probability mass that falls inside the blocks the layer selects
+  (``mass``), and the recall of the ``n_sel`` blocks full attention weighs most (``recall``).
+  "Full attention" is softmax(scale * q . k_sel) over every key u <= t, with the layer's own
+  queries and selection-branch keys, per query head; blocks are ranked per group by the mass
+  summed over the group's G heads, as NSA scores them (Eq. 10).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from nsa import NSAAttention, functional
+
+
+class GateMeans:
+    """Mean gate per branch and layer over the forwards seen while ``active``."""
+
+    BRANCHES = ("cmp", "sel", "win")
+
+    def __init__(self, layers: list[NSAAttention]):
+        self.active = True
+        self._sum = [None] * len(layers)
+        self._n = 0
+        self._handles = [layer.gate.register_forward_hook(self._hook(i, layer.config.n_heads))
+                         for i, layer in enumerate(layers)]
+
+    def _hook(self, i: int, HQ: int):
+        def hook(module, args, out):
+            if self.active:
+                g = torch.sigmoid(out.detach().float()).unflatten(-1, (HQ, 3)).mean(dim=(0, 1, 2))
+                self._sum[i] = g if self._sum[i] is None else self._sum[i] + g
+                self._n += i == 0
+        return hook
+
+    def take(self) -> dict[str, float]:
+        """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; resets the sums."""
+        if not self._handles or self._n == 0:
+            return {}
+        per_layer = torch.stack(self._sum).cpu() / self._n  # [layers, 3]
+        self._sum, self._n = [None] * len(self._sum), 0
+        out = {f"gate_{b}": float(per_layer[:, j].mean()) for j, b in enumerate(self.BRANCHES)}
+        out.update({f"gate_{b}_l{i}": float(per_layer[i, j]) for i in range(len(per_layer))
+                    for j, b in enumerate(self.BRANCHES)})
+        return out
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@contextlib.contextmanager
+def layer_inputs(layers: list[NSAAttention]):
+    """Inside the block, ``xs[i]`` is the input ``x [B,T,dim]`` of the last forward of ``layers[i]``."""
+    xs = [None] * len(layers)
+
+    def pre_hook(i):
+        return lambda module, args: xs.__setitem__(i, args[0].detach())
+
+    handles = [layer.register_forward_pre_hook(pre_hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield xs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------------------------------------
+# Selection quality: pure functions on probabilities and indices (tested on hand-built cases)
+# ------------------------------------------------------------------------------------------------
+def full_attention_probs(q, k, q_start: int, scale: float | None = None):
+    """Causal softmax(scale * q . k) in float32: q ``[B,R,HQ,Dk]`` at positions ``q_start..``, k
+    ``[B,S,H,Dk]`` (query head h reads key head h // G) -> ``[B,R,HQ,S]``."""
+    B, R, HQ, Dk = q.shape
+    H = k.shape[2]
+    scale = 1.0 / math.sqrt(Dk) if scale is None else scale
+    s = torch.einsum("brhgd,bshd->brhgs", q.float().unflatten(2, (H, HQ // H)), k.float()).flatten(2, 3) * scale
+    t = q_start + torch.arange(R, device=q.device)
+    future = torch.arange(k.shape[1], device=q.device)[None, :] > t[:, None]  # [R,S]
+    return torch.softmax(s.masked_fill(future[None, :, None, :], -math.inf), dim=-1)
+
+
+def block_mass(p, l_sel: int):
+    """Probability per selection block: ``[..., S]`` -> ``[..., ceil(S / l_sel)]`` (block j covers
+    tokens [j*l_sel, (j+1)*l_sel))."""
+    S = p.shape[-1]
+    nb = -(-S // l_sel)
+    return torch.nn.functional.pad(p, (0, nb * l_sel - S)).unflatten(-1, (nb, l_sel)).sum(-1)
+
+
+def mass_in_selected(mass, indices):
+    """Share of each head's mass in its group's selected blocks: mass ``[B,R,HQ,nb]``, indices
+    ``[B,R,H,n]`` (-1 = none) -> ``[B,R,HQ]``."""
+    B, R, HQ, nb = mass.shape
+    H, n = indices.shape[2], indices.shape[3]
+    idx = indices.clamp(min=0)[:, :, :, None, :].expand(B, R, H, HQ // H, n)
+    got = mass.unflatten(2, (H, HQ // H)).gather(-1, idx) * (indices >= 0)[:, :, :, None, :]
+    return got.sum(-1).flatten(2, 3)
+
+
+def topn_recall(mass, indices, n: int, q_start: int, l_sel: int):
+    """Share of the n blocks with the most group mass (mass ``[B,R,HQ,nb]`` summed over each group's
+    heads, among the candidates j <= t // l_sel) that ``indices [B,R,H,n_sel]`` contains -> ``[B,R,H]``."""
+    B, R, HQ, nb = mass.shape
+    H = indices.shape[2]
+    group = mass.unflatten(2, (H, HQ // H)).sum(3)  # [B,R,H,nb]
+    t = q_start + torch.arange(R, device=mass.device)
+    cand = torch.arange(nb, device=mass.device)[None, :] <= (t // l_sel)[:, None]  # [R,nb]
+    if int(cand.sum(-1).min()) < n:
+        raise ValueError(f"topn_recall: a row has fewer than n={n} candidate blocks")
+    top = group.masked_fill(~cand[None, :, None, :], -math.inf).topk(n, dim=-1).indices
+    hit = (top[..., :, None] == indices[..., None, :]).any(-1)
+    return hit.float().mean(-1)
+
+
+@torch.no_grad()
+def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int) -> dict[str, float]:
+    """``mass`` and ``recall`` (means over batch, the last ``rows`` positions and heads/groups) of
+    ``layer`` on its input ``x [B,T,dim]``, recomputed in float32 with the reference operators.
+
+    The blocks are those the reference top-n picks from the float32 compressed scores: a GPU
+    backend's bf16 forward picks the same blocks except at near-ties of scores. The layer's
+    projections are reached through ``NSAAttention._project`` / ``_compress`` (no public API returns
+    its queries or keys yet); ``tests/test_lm_probes.py`` holds the recomputation to the layer's
+    own forward. Rows start at T - rows, which must leave more than n_sel candidate blocks."""
+    c = layer.config
+    B, T, _ = x.shape
+    r0 = T - rows
+    if rows < 1 or r0 < c.n_sel * c.l_sel:
+        raise ValueError(f"selection_quality: rows={rows} of T={T}: needs 1 <= rows <= T - n_sel * l_sel = "
+                         f"{T - c.n_sel * c.l_sel} (every row must have more than n_sel candidate blocks)")
+    with torch.autocast(x.device.type, enabled=False):
+        q, kv, _ = layer._project(x.float(), torch.arange(T, device=x.device))
+        k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    q = q[:, r0:]
+    _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c, q_start=r0)
+    idx = functional.select_blocks(functional.selection_scores(p_cmp, c, c.n_blocks(T)), c, q_start=r0)
+    mass, recall = [], []
+    step = max(1, (1 << 26) // max(1, B * c.n_heads * T))  # rows per chunk: <= 256 MiB of float32 probabilities
+    for a in range(0, rows, step):
+        m = block_mass(full_attention_probs(q[:, a:a + step], kv["k_sel"], r0 + a), c.l_sel)
+        i = idx[:, a:a + step]
+        mass.append(mass_in_selected(m, i))
+        recall.append(topn_recall(m, i, c.n_sel, r0 + a, c.l_sel))
+    return {"mass": float(torch.cat(mass, 1).mean()), "recall": float(torch.cat(recall, 1).mean())}
