@@ -1,4 +1,5 @@
-"""Shared fixtures for the NSA core tests: configs and random float64 inputs, packed documents."""
+"""Shared fixtures for the NSA core tests: configs and random float64 inputs, packed documents, and the
+``gpu`` marker's rule (deselected where CUDA is not available)."""
 from __future__ import annotations
 
 import itertools
@@ -70,6 +71,17 @@ def dense_causal_attention(q, k, v, scale=None):
     t = torch.arange(S - T, S)[:, None]
     s = s.masked_fill(torch.arange(S)[None, :] > t, float("-inf"))
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), vv)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run compiled kernels on CUDA: without a CUDA device they are deselected (reported
+    as deselected, never as passed or skipped)."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
 
 
 # ------------------------------------------------------------------------------------------------
