@@ -45,7 +45,7 @@ class Varlen:
         for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
             if b < a:
                 _fail(f"cu_seqlens: must be {_RULE}; offset {i + 1} ({b}) is below offset {i} ({a})")
-        self.cu_seqlens = cu_seqlens
+        self.cu_seqlens = cu_seqlens.contiguous()  # the kernels index it as a dense array
         self.starts = tuple(cu[:-1])
         self.lens = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
         self.total = cu[-1]

@@ -256,3 +256,17 @@ def test_varlen_tables():
     # key tiles of 2 compressed tokens, by the queries that see their first key: 13, 5 (20 - 2*4 - 7), 2
     assert docs.key_tiles(2, "cpu", cfg.d, cfg.l - 1).tolist() == [[3, 0], [3, 2], [1, 0]]
     assert docs.kept("x", lambda: [1]) is docs.kept("x", lambda: [2])
+
+
+@pytest.mark.parametrize("win", ["reference", "sdpa"])
+def test_only_empty_documents_give_empty_outputs(win):
+    """N = 0 (every document empty): empty outputs and gradients of the inputs' shapes, as for B = 0."""
+    cfg = make_config(**CONFIGS["G2"])
+    x = packed_inputs(cfg, [0, 0], requires_grad=True)
+    args = [x[a] for a in ARG_ORDER]
+    o, idx = fn.nsa_attention(*args, cfg, backend={"win": win}, cu_seqlens=cu_of([0, 0]), return_indices=True)
+    assert o.shape == (1, 0, 4, 6) and idx.shape == (1, 0, 2, 3)
+    grads = torch.autograd.grad(o.sum(), args, allow_unused=True)
+    assert all(g is None or g.shape == a.shape for g, a in zip(grads, args))
+    layer = NSAAttention(cfg).double()
+    assert layer(torch.zeros(1, 0, cfg.dim, dtype=F64), cu_seqlens=cu_of([0])).shape == (1, 0, cfg.dim)

@@ -118,3 +118,13 @@ def test_half_precision_equals_the_same_kernels_on_each_document():
                                 cfg, LENS, x)
     assert torch.equal(idx, ridx)
     assert torch.equal(o, ro)
+
+
+def test_only_empty_documents_give_empty_outputs():
+    cfg = _cfg(2)
+    x = packed_inputs(cfg, [0, 0], dtype=torch.float32, requires_grad=True)
+    args = [x[a] for a in ARG_ORDER]
+    o, idx = _run(cfg, "triton", x, cu_of([0, 0]))
+    assert o.shape == (1, 0, 4, 8) and idx.shape == (1, 0, 2, 5)
+    grads = torch.autograd.grad(o.sum(), args, allow_unused=True)
+    assert all(g is None or g.shape == a.shape for g, a in zip(grads, args))

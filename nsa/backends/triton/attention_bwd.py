@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .rowdot import row_dot
-from .tiles import (doc_rows, doc_span, geometry, key_range, load_head_rows, load_row_stats, load_rows, query_grid,
+from .tiles import (at_doc, doc_rows, doc_span, geometry, key_range, load_head_rows, load_row_stats, load_rows, query_grid,
                     query_rows, store_head_rows, visible)
 from .utils import LOG2E, dot_precision, empty
 
@@ -34,13 +34,9 @@ def _bwd_dq_kernel(
     if VARLEN:
         h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, 0, Tq, G, GP, BLOCK_M)
         b = 0
-        Q += q0 * sq_t
-        DO += q0 * sdo_t
-        DQ += q0 * sdq_t
-        LSE += q0
+        Q, DO, LSE, K, V = at_doc(Q, DO, LSE, K, V, q0, k0, sq_t, sdo_t, sk_n, sv_n)
         DELTA += q0
-        K += k0 * sk_n
-        V += k0 * sv_n
+        DQ += q0 * sdq_t
     else:
         b, h, m0, m, t, head, row_ok = query_rows(q_start, 0, Tq, H, G, GP, BLOCK_M)
         m_end = Tq
@@ -138,12 +134,8 @@ def _bwd_dkdv_kernel(
         q0, k0, m_end, N, n0 = doc_span(TILES, CU_Q, CU_K, pid_n)
         b = 0
         h = pid_bh
-        Q += q0 * sq_t
-        DO += q0 * sdo_t
-        LSE += q0
+        Q, DO, LSE, K, V = at_doc(Q, DO, LSE, K, V, q0, k0, sq_t, sdo_t, sk_n, sv_n)
         DELTA += q0
-        K += k0 * sk_n
-        V += k0 * sv_n
         DK_ += k0 * sdk_n
         DV_ += k0 * sdv_n
     else:

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import (doc_rows, geometry, key_range, load_head_rows, load_rows, query_grid, query_rows, store_head_rows,
+from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
                     visible)
 from .topn import topn_launch
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
@@ -191,17 +191,9 @@ def _fwd_kernel(
     """o_cmp [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the block scores of queries [m_begin, m_end)
     (rows of SC: position - m_begin). VARLEN: packed documents (B = 1; TILES, CU_Q = cu_seqlens, CU_K =
     the compressed tokens' offsets, see ``tiles.doc_rows``); else TILES, CU_Q, CU_K are None."""
-    if VARLEN:
-        h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G, GP,
-                                                                       BLOCK_M)
-        b = 0
-        Q += q0 * sq_t
-        Out += q0 * so_t
-        LSE += q0
-        K += k0 * sk_n
-        V += k0 * sv_n
-    else:
-        b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
+        Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
+        VARLEN)
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)

@@ -77,6 +77,29 @@ def doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G: tl.constexpr, GP: tl.constexp
 
 
 @triton.jit
+def at_doc(Q, O, LSE, K, V, q0, k0, sq_t, so_t, sk_n, sv_n):
+    """The pointers of a document: the query-side tensors (q, the output or dO: [B,T,HQ,D]; lse: [B,HQ,T])
+    q0 rows on, the key-side ones (k, v: [B,N,H,D]) k0 rows on."""
+    return Q + q0 * sq_t, O + q0 * so_t, LSE + q0, K + k0 * sk_n, V + k0 * sv_n
+
+
+@triton.jit
+def forward_rows(Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end,
+                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """A forward program's rows over query rows [m_begin, m_end): ``query_rows``, or with VARLEN ``doc_rows``
+    with its document's key count and pointers (``at_doc``). Returns (b, h, m0, m, t, head, row_ok,
+    m_begin, m_end, N, Q, Out, LSE, K, V)."""
+    if VARLEN:
+        h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G, GP,
+                                                                       BLOCK_M)
+        b = 0
+        Q, Out, LSE, K, V = at_doc(Q, Out, LSE, K, V, q0, k0, sq_t, so_t, sk_n, sv_n)
+    else:
+        b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    return b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V
+
+
+@triton.jit
 def key_range(q_start, m0, m_end, N, STRIDE: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     """(tmin, tmax, hi) of a query tile starting at m0: its first and last absolute positions and
     the number of keys with e(i) <= tmax (at most N)."""

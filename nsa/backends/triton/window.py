@@ -15,7 +15,7 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import (doc_rows, geometry, key_range, load_head_rows, load_rows, query_grid, query_rows, store_head_rows,
+from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
                     visible)
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
 
@@ -58,17 +58,10 @@ def _fwd_kernel(
     because the parameter list changes the machine code. Without them LLVM orders the prologue's
     loads differently and ptxas allocates registers differently (sm_90: other SASS at Dk 128 and
     192, one register less at 192), so dropping them is a change to measure on the GPU first."""
-    if VARLEN:  # the window stops at the document's first token: keys before it are not in its stream
-        h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G, GP,
-                                                                       BLOCK_M)
-        b = 0
-        Q += q0 * sq_t
-        Out += q0 * so_t
-        LSE += q0
-        K += k0 * sk_n
-        V += k0 * sv_n
-    else:
-        b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    # VARLEN: the window stops at the document's first token (keys before it are not in its stream)
+    b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
+        Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
+        VARLEN)
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
