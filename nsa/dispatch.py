@@ -9,6 +9,8 @@ A backend implements three branch operators with the reference's signatures
 
 and the gated sum of the three outputs (``combine``, spec step 7), which runs on the backend chosen
 for the ``sel`` branch (the base class: the plain PyTorch expression; ``triton``: one fused kernel).
+Every branch operator takes ``varlen`` (a :class:`nsa.varlen.Varlen` for packed documents, else None);
+a backend that cannot run a branch on packed documents says why in ``varlen_unavailable``.
 A backend may also provide the fused kernels of a whole decode step (``decode_kernels``, for
 ``nsa.decode.GraphDecoder``, which chooses its backend here too).
 
@@ -54,30 +56,38 @@ class Backend:
         """None if this backend can run ``branch`` for tensors on device/dtype, else the reason."""
         return None
 
-    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None):
+    def varlen_unavailable(self, branch: str, device: torch.device, dtype: torch.dtype) -> str | None:
+        """None if this backend can run ``branch`` on packed documents (``varlen``), else the reason
+        (asked after ``unavailable``)."""
+        return None
+
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
         """(o_cmp, top-n indices). ``on_scored()`` (optional, no arguments) is called once the block
         scores are computed (queued, on a GPU) and before the top-n; a backend that cannot split the
         two calls it at the end."""
-        out = reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys)
+        out = reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
+                                          varlen=varlen)
         if on_scored is not None:
             on_scored()
         return out
 
-    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
-        return reference.selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start, varlen=None):
+        return reference.selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start,
+                                            varlen=varlen)
 
-    def window(self, q, k_win, v_win, config, *, scale, q_start):
-        return reference.sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+    def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        return reference.sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start,
+                                                  varlen=varlen)
 
     def combine(self, o_cmp, o_sel, o_win, gates):
         """Gated sum (paper Eq. 5): ``sum_c gates[..., c, None] * o_c``, gates ``[B,Tq,HQ,3]``."""
         g = gates.unsqueeze(-1)
         return g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
 
-    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start):
+    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start, varlen=None):
         """``combine(o_cmp, selected(...), o_win, gates)`` when no gradient is needed (the layer's forward
         in prefill/inference); a backend may fuse the gated sum into its selected branch."""
-        o_sel = self.selected(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+        o_sel = self.selected(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start, varlen=varlen)
         return self.combine(o_cmp, o_sel, o_win, gates)
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
@@ -167,23 +177,28 @@ def record_ran(ran: Mapping[str, str]) -> None:
         rec.ran.update(ran)
 
 
-def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fallback: str | None) -> Backend:
-    """The backend that will run ``branch``; raises or falls back (loudly) if ``name`` can't."""
+def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fallback: str | None, *,
+           varlen: bool = False) -> Backend:
+    """The backend that will run ``branch`` (on packed documents where ``varlen``); raises or falls back
+    (loudly) if ``name`` can't."""
+    def why(be):
+        return be.unavailable(branch, device, dtype) or (be.varlen_unavailable(branch, device, dtype) if varlen else None)
+
+    what = f"{device.type}/{str(dtype).replace('torch.', '')}" + (" with packed documents (cu_seqlens)" if varlen else "")
     try:
         be = get(name)
-        reason = be.unavailable(branch, device, dtype)
+        reason = why(be)
     except BackendUnavailable as e:
         be, reason = None, str(e)
     if reason is None:
         chosen, note = be, None
     elif fallback is None:
         raise BackendUnavailable(
-            f"backend {name!r} cannot run branch {branch!r} on {device.type}/{str(dtype).replace('torch.', '')}: "
-            f"{reason} (choose another backend, or allow a fallback)"
+            f"backend {name!r} cannot run branch {branch!r} on {what}: {reason} (choose another backend, or allow a fallback)"
         )
     else:
         chosen = get(fallback)
-        second = chosen.unavailable(branch, device, dtype)
+        second = why(chosen)
         if second is not None:
             raise BackendUnavailable(f"fallback {fallback!r} cannot run branch {branch!r} either: {second}")
         note = f"{branch}: {name} -> {fallback} ({reason})"

@@ -8,6 +8,12 @@ Prefill: Tq = S and ``q_start=0``. Decode / chunked prefill over a cache: the Tq
 absolute positions ``q_start .. q_start+Tq-1`` and S = q_start + Tq keys are given. Empty inputs
 (B = 0 or Tq = 0) give empty outputs of the right shape on every backend, as
 ``torch.nn.functional.scaled_dot_product_attention`` does.
+
+Packed documents (every function's ``cu_seqlens``; docs/nsa-spec.md, "Varlen"): B = 1 and the N tokens of
+all documents along the token axis, ``cu_seqlens`` int32 ``[n_docs + 1]`` (0 first, N last,
+non-decreasing; or a :class:`nsa.varlen.Varlen` made from one, which skips the check and keeps its
+tables), compressed keys/values packed per document (``[1, sum_i n_cmp(L_i), H, D]``), block indices
+counted from each document's start; q_start = 0. No branch attends across a document boundary.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import torch
 
 from . import dispatch, reference
 from .config import NSAConfig
+from .varlen import Varlen, as_varlen
 
 __all__ = [
     "nsa_attention",
@@ -83,48 +90,87 @@ def _check_q_start(q_start):
         _fail(f"q_start={q_start!r}: must be a non-negative integer")
 
 
+def _packed(cu_seqlens, name, x, q_start: int = 0) -> Varlen | None:
+    """The documents of ``cu_seqlens`` (None without), checked against ``x [1, N, ...]``."""
+    if cu_seqlens is None:
+        return None
+    docs = as_varlen(cu_seqlens)
+    if x.shape[0] != 1:
+        _fail(f"{name}: expected batch 1 with cu_seqlens (documents packed along the token axis), "
+              f"got shape {tuple(x.shape)}")
+    if q_start != 0:
+        _fail(f"q_start={q_start}: must be 0 with cu_seqlens (every packed document starts at position 0)")
+    docs.check_total(x.shape[1], name)
+    return docs
+
+
+def _n_cmp(config: NSAConfig, S: int, docs: Varlen | None) -> int:
+    return config.n_cmp(S) if docs is None else sum(docs.cmp_counts(config))
+
+
+def _check_packed_cmp(name, k_cmp, config, docs):
+    if docs is not None and k_cmp.shape[1] != _n_cmp(config, 0, docs):
+        _fail(f"{name}: expected {_n_cmp(config, 0, docs)} compressed tokens (n_cmp of each document of "
+              f"cu_seqlens, packed in document order), got shape {tuple(k_cmp.shape)}")
+
+
 def _scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
-def compress(x: torch.Tensor, config: NSAConfig, phi=None) -> torch.Tensor:
+def compress(x: torch.Tensor, config: NSAConfig, phi=None, *, cu_seqlens=None) -> torch.Tensor:
     """Compression (paper Eq. 7): ``[B,T,H,D]`` -> ``[B,Tc,H,D]``; ``phi`` maps ``[B,Tc,H,l,D]``
-    blocks to ``[B,Tc,H,D]`` (None: mean pooling)."""
+    blocks to ``[B,Tc,H,D]`` (None: mean pooling). ``cu_seqlens``: each document compressed alone,
+    ``[1,N,H,D]`` -> ``[1, sum_i n_cmp(L_i), H, D]`` in document order."""
     _check_4d("x", x)
-    return reference.compress(x, config, phi)
+    return reference.compress(x, config, phi, _packed(cu_seqlens, "x", x))
 
 
-def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0):
+def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, cu_seqlens=None):
     """Compressed branch (spec step 1, paper Eq. 5 over Eq. 7's tokens).
 
     Returns ``(o_cmp [B,Tq,HQ,Dv], p_cmp [B,Tq,HQ,Tc])``; token i visible to t iff i*d+l-1 <= t.
+    Packed documents: p_cmp's columns are all packed compressed tokens, zero outside the row's document.
     """
     _check_q(q, config)
     _check_q_start(q_start)
+    docs = _packed(cu_seqlens, "q", q, q_start)
     _check_4d("k_cmp", k_cmp)
+    _check_packed_cmp("k_cmp", k_cmp, config, docs)
     _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, k_cmp.shape[1], 0)
-    return reference.compressed_attention(q, k_cmp, v_cmp, config, scale=_scale(q, scale), q_start=q_start)
+    return reference.compressed_attention(q, k_cmp, v_cmp, config, scale=_scale(q, scale), q_start=q_start,
+                                          varlen=docs)
 
 
-def selection_scores(p_cmp, config: NSAConfig, n_blocks: int):
-    """Eqs. 9-10 (block-aligned Eq. 9, group sum Eq. 10): ``[B,Tq,HQ,Tc]`` -> ``[B,Tq,H,n_blocks]``."""
+def selection_scores(p_cmp, config: NSAConfig, n_blocks: int, *, cu_seqlens=None):
+    """Eqs. 9-10 (block-aligned Eq. 9, group sum Eq. 10): ``[B,Tq,HQ,Tc]`` -> ``[B,Tq,H,n_blocks]``
+    (packed documents: blocks counted from each document's start)."""
     _check_4d("p_cmp", p_cmp)
     if p_cmp.shape[2] != config.n_heads:
         _fail(f"p_cmp: expected {config.n_heads} heads (n_heads), got shape {tuple(p_cmp.shape)}")
-    return reference.selection_scores(p_cmp, config, n_blocks)
+    docs = _packed(cu_seqlens, "p_cmp", p_cmp)
+    if docs is not None and p_cmp.shape[3] != _n_cmp(config, 0, docs):
+        _fail(f"p_cmp: expected {_n_cmp(config, 0, docs)} columns (the packed compressed tokens of "
+              f"cu_seqlens' documents), got shape {tuple(p_cmp.shape)}")
+    return reference.selection_scores(p_cmp, config, n_blocks, varlen=docs)
 
 
-def select_blocks(scores, config: NSAConfig, *, q_start: int = 0):
-    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]`` ascending, -1 padded."""
+def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=None):
+    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]`` ascending, -1 padded
+    (packed documents: positions and blocks counted from each document's start)."""
     _check_4d("scores", scores)
     _check_q_start(q_start)
     if scores.shape[2] != config.n_kv_heads:
         _fail(f"scores: expected {config.n_kv_heads} groups (n_kv_heads), got shape {tuple(scores.shape)}")
+    docs = _packed(cu_seqlens, "scores", scores, q_start)
+    if docs is not None and scores.shape[3] < docs.n_blocks(config):
+        _fail(f"scores: {scores.shape[3]} blocks but the longest document of cu_seqlens ({docs.max_len} tokens) "
+              f"needs {docs.n_blocks(config)} (ceil(L / l_sel))")
     need = config.n_blocks(q_start + scores.shape[1])
-    if scores.shape[3] < need:
+    if docs is None and scores.shape[3] < need:
         _fail(f"scores: {scores.shape[3]} blocks but queries up to position {q_start + scores.shape[1] - 1} "
               f"need {need} (ceil(S / l_sel))")
-    return reference.select_blocks(scores, config, q_start=q_start)
+    return reference.select_blocks(scores, config, q_start=q_start, varlen=docs)
 
 
 def _check_indices(q, indices, config):
@@ -137,10 +183,21 @@ def _check_indices(q, indices, config):
         _fail(f"indices: device {indices.device} differs from q's {q.device}")
 
 
-def _check_index_range(indices, config: NSAConfig, S: int):
-    """Block indices lie in [0, ceil(S / l_sel)) or are -1 (none); the kernels do not check them.
-    One reduction and one host sync per call."""
+def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None = None):
+    """Block indices lie in [0, ceil(S / l_sel)) (packed: ceil(L / l_sel) of the row's document) or are -1
+    (none); the kernels do not check them. One reduction and one host sync per call."""
     if indices.numel() == 0:
+        return
+    if docs is not None:
+        dev = indices.device
+        doc = docs.row_doc(dev).to(torch.int64)
+        nb = -(-torch.tensor(docs.lens, device=dev)[doc] // config.l_sel)  # blocks of each token's document
+        bad = ((indices < -1) | (indices >= nb[None, :, None, None])).flatten(2).any(-1)[0]
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0, 0])
+            k = int(doc[r])
+            _fail(f"indices: a block index of token {r} is out of range: its document {k} has {docs.lens[k]} "
+                  f"tokens, valid block indices are 0..{int(nb[r]) - 1} (ceil(L / l_sel)), and -1 for none")
         return
     lo, hi = (int(x) for x in torch.aminmax(indices))
     nb = config.n_blocks(S)
@@ -151,27 +208,30 @@ def _check_index_range(indices, config: NSAConfig, S: int):
 
 
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
-                       backend: str = "reference"):
+                       backend: str = "reference", cu_seqlens=None):
     """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks.
     ``indices [B,Tq,H,n_sel]``: block numbers in [0, ceil(S / l_sel)), -1 for none (checked: a
-    ValueError names a value out of range)."""
+    ValueError names a value out of range); packed documents: counted from the row's document start."""
     _check_q(q, config)
     _check_q_start(q_start)
-    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None, q_start)
+    docs = _packed(cu_seqlens, "q", q, q_start)
+    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None if docs is None else q.shape[1], q_start)
     _check_indices(q, indices, config)
-    _check_index_range(indices, config, k_sel.shape[1])
-    be = dispatch.choose("sel", backend, q.device, q.dtype, None)
-    return be.selected(q, k_sel, v_sel, indices, config, scale=_scale(q, scale), q_start=q_start)
+    _check_index_range(indices, config, k_sel.shape[1], docs)
+    be = dispatch.choose("sel", backend, q.device, q.dtype, None, varlen=docs is not None)
+    return be.selected(q, k_sel, v_sel, indices, config, scale=_scale(q, scale), q_start=q_start, varlen=docs)
 
 
 def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, q_start: int = 0,
-                             backend: str = "reference"):
-    """Sliding branch (spec step 6): attention over u in [max(0, t-w+1), t]."""
+                             backend: str = "reference", cu_seqlens=None):
+    """Sliding branch (spec step 6): attention over u in [max(0, t-w+1), t] (packed documents: u and t
+    in the row's document)."""
     _check_q(q, config)
     _check_q_start(q_start)
-    _check_kv(q, k_win, v_win, "k_win", "v_win", config, None, q_start)
-    be = dispatch.choose("win", backend, q.device, q.dtype, None)
-    return be.window(q, k_win, v_win, config, scale=_scale(q, scale), q_start=q_start)
+    docs = _packed(cu_seqlens, "q", q, q_start)
+    _check_kv(q, k_win, v_win, "k_win", "v_win", config, None if docs is None else q.shape[1], q_start)
+    be = dispatch.choose("win", backend, q.device, q.dtype, None, varlen=docs is not None)
+    return be.window(q, k_win, v_win, config, scale=_scale(q, scale), q_start=q_start, varlen=docs)
 
 
 # Queries (B * Tq) from which ``streams=True`` runs the sliding branch on a second CUDA stream; smaller
@@ -189,7 +249,7 @@ def _side_stream(device: torch.device):
 
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, scale=None,
                   backend: str | Mapping[str, str] = "reference", return_indices: bool = False,
-                  q_start: int = 0, fallback: str | None = None, streams: bool = True):
+                  q_start: int = 0, fallback: str | None = None, streams: bool = True, cu_seqlens=None):
     """NSA attention output (paper Eq. 5 summed over branches with gates, spec step 7).
 
     o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, with o_cmp over compressed keys k_cmp/v_cmp
@@ -202,15 +262,19 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     stream too. The result is the same either way. Without a gradient (prefill, inference), the
     selected branch's backend may compute the gated sum in its own epilogue (the triton backend does:
     o_sel is then summed in float32 before rounding, so bf16 outputs differ from the path with a
-    gradient by rounding only). Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
+    gradient by rounding only). ``cu_seqlens``: packed documents (module docstring), prefill only.
+    Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
     """
     _check_q(q, config)
     _check_q_start(q_start)
     plan = dispatch.resolve(backend)
-    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None, q_start)
+    docs = _packed(cu_seqlens, "q", q, q_start)
+    _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None if docs is None else q.shape[1], q_start)
     S = k_sel.shape[1]
     _check_kv(q, k_win, v_win, "k_win", "v_win", config, S, q_start)
-    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, config.n_cmp(S), q_start)
+    _check_4d("k_cmp", k_cmp)
+    _check_packed_cmp("k_cmp", k_cmp, config, docs)
+    _check_kv(q, k_cmp, v_cmp, "k_cmp", "v_cmp", config, _n_cmp(config, S, docs), q_start)
     _check_4d("gates", gates)
     if tuple(gates.shape) != (*q.shape[:3], 3):
         _fail(f"gates: expected shape {[*q.shape[:3], 3]} [B,Tq,HQ,3], got {tuple(gates.shape)}")
@@ -221,14 +285,14 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     if rec is not None:
         rec.calls += 1
 
-    backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback) for b in ("cmp", "sel", "win")}
+    backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback, varlen=docs is not None) for b in dispatch.BRANCHES}
     o, idx = gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, backends, scale=sc,
-                            q_start=q_start, streams=streams)
+                            q_start=q_start, streams=streams, varlen=docs)
     return (o, idx) if return_indices else o
 
 
 def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, backends, *, scale,
-                   q_start=0, streams=True, indices=None, fuse_gate=None):
+                   q_start=0, streams=True, indices=None, fuse_gate=None, varlen=None):
     """The body of :func:`nsa_attention` on checked inputs and chosen backends ``{branch: Backend}``:
     returns ``(o, indices of the compressed top-n)``. ``indices`` (optional) replaces the top-n's for
     the selected branch: ``experiments.parity`` runs the backends under test on the reference's
@@ -238,7 +302,7 @@ def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: N
     started when the compressed attention and scoring kernel is done (``on_scored``), so that it runs
     beside the top-n and the selected branch instead of taking SMs from the compressed kernel.
     ``fuse_gate``: the selected branch's backend computes Eq. 5 itself (``selected_gated``, forward
-    only); None: when no gradient is needed."""
+    only); None: when no gradient is needed. ``varlen``: the packed documents (a :class:`nsa.varlen.Varlen`)."""
     S = k_sel.shape[1]
     dev = q.device
     be_cmp, be_sel, be_win = backends["cmp"], backends["sel"], backends["win"]
@@ -252,20 +316,21 @@ def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: N
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         scored = torch.cuda.Event()
         hook = functools.partial(scored.record, main)  # every backend calls on_scored (Backend.compressed)
-    o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S, on_scored=hook)
+    o_cmp, idx = be_cmp.compressed(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=S, on_scored=hook,
+                                   varlen=varlen)
     if side is not None:
         side.wait_event(scored)  # q, k_win, v_win and the compressed kernel are done
         with torch.cuda.stream(side):
-            o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
+            o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start, varlen=varlen)
     sel_idx = idx if indices is None else indices
     if not fuse:
-        o_sel = be_sel.selected(q, k_sel, v_sel, sel_idx, config, scale=scale, q_start=q_start)
+        o_sel = be_sel.selected(q, k_sel, v_sel, sel_idx, config, scale=scale, q_start=q_start, varlen=varlen)
     if side is None:
-        o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start)
+        o_win = be_win.window(q, k_win, v_win, config, scale=scale, q_start=q_start, varlen=varlen)
     else:
         main.wait_stream(side)
         o_win.record_stream(main)  # allocated on the side stream, read on this one
     if not fuse:
         return be_sel.combine(o_cmp, o_sel, o_win, gates), idx
     return be_sel.selected_gated(q, k_sel, v_sel, sel_idx, config, o_cmp, o_win, gates, scale=scale,
-                                 q_start=q_start), idx
+                                 q_start=q_start, varlen=varlen), idx

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import functional
 from .config import NSAConfig
+from .varlen import as_varlen
 
 
 def rope_cos_sin(pos: torch.Tensor, D: int, base: float, dtype: torch.dtype):
@@ -86,11 +87,13 @@ class NSACache:
 
 
 class NSAAttention(nn.Module):
-    """The NSA attention layer. ``forward(x [B,T,dim], cache=None) -> [B,T,dim]``.
+    """The NSA attention layer. ``forward(x [B,T,dim], cache=None, *, cu_seqlens=None) -> [B,T,dim]``.
 
     Without a cache, x is a whole sequence at positions 0..T-1 (prefill / training). With a
     cache, x's tokens are appended at positions cache.length.. (a prefill chunk or decode steps)
     and attend to everything cached before them; the result equals prefill at those positions.
+    With ``cu_seqlens`` (no cache), x ``[1,N,dim]`` holds documents packed along N (see
+    :mod:`nsa.varlen`): each is its own sequence at positions 0..L_i-1, as if run alone.
 
     ``backend`` / ``fallback`` / ``streams`` are passed to :func:`nsa.functional.nsa_attention`.
     """
@@ -137,9 +140,9 @@ class NSAAttention(nn.Module):
         gates = torch.sigmoid(self.gate(x)).view(B, T, c.n_heads, 3)  # Eq. 5's g, order (cmp, sel, win)
         return q, kv, gates
 
-    def _compress(self, k_raw, v_raw):
-        return (functional.compress(k_raw, self.config, self.phi_k),
-                functional.compress(v_raw, self.config, self.phi_v))
+    def _compress(self, k_raw, v_raw, docs=None):
+        return (functional.compress(k_raw, self.config, self.phi_k, cu_seqlens=docs),
+                functional.compress(v_raw, self.config, self.phi_v, cu_seqlens=docs))
 
     def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> NSACache:
         """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
@@ -160,22 +163,31 @@ class NSAAttention(nn.Module):
                         buf(max_len, c.d_k), buf(max_len, c.d_v), buf(max_len, c.d_k), buf(max_len, c.d_v),
                         max_len=max_len)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None) -> torch.Tensor:
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.dim:
             raise ValueError(f"x: expected [B,T,{c.dim}] (dim), got {tuple(x.shape)}")
         B, T, _ = x.shape
+        docs = as_varlen(cu_seqlens)
+        if docs is not None:
+            if cache is not None:
+                raise ValueError("cu_seqlens: packed documents are for prefill/training; a cache (decode) "
+                                 "takes one sequence per batch row")
+            if B != 1:
+                raise ValueError(f"x: expected [1,N,{c.dim}] with cu_seqlens (documents packed along N), "
+                                 f"got {tuple(x.shape)}")
+            docs.check_total(T, "x")
         start = 0 if cache is None else cache.length
-        pos = torch.arange(start, start + T, device=x.device)
+        pos = torch.arange(start, start + T, device=x.device) if docs is None else docs.row_pos(x.device)
         q, kv, gates = self._project(x, pos)
         if cache is None:
-            k_cmp, v_cmp = self._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+            k_cmp, v_cmp = self._compress(kv["k_cmp_raw"], kv["v_cmp_raw"], docs)
             keys = dict(k_sel=kv["k_sel"], v_sel=kv["v_sel"], k_win=kv["k_win"], v_win=kv["v_win"])
         else:
             k_cmp, v_cmp, keys = self._append(cache, x, kv)
         o = functional.nsa_attention(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"],
                                      keys["v_win"], gates, c, backend=self.backend, q_start=start,
-                                     fallback=self.fallback, streams=self.streams)
+                                     fallback=self.fallback, streams=self.streams, cu_seqlens=docs)
         if cache is not None:
             cache.length = start + T
         return self.o_proj(o.reshape(B, T, c.n_heads * c.d_v))

@@ -4,6 +4,8 @@ Each function implements one step of ``docs/nsa-spec.md`` and cites the paper's 
 (Yuan et al., arXiv 2502.11089). Layouts are batch-first: q ``[B,Tq,HQ,Dk]``, keys/values
 ``[B,S,H,D]``. Queries sit at absolute positions ``q_start .. q_start+Tq-1`` (prefill: q_start=0,
 S=Tq; decode: S = q_start+Tq keys in the cache). Query head h reads key/value head h // G.
+Packed documents (``varlen``, a :class:`nsa.varlen.Varlen`; B = 1, q_start = 0): each query row sits at
+its position in its document and sees that document's keys only (docs/nsa-spec.md, "Varlen").
 
 No Python loop runs over tokens: work is vectorized over all queries, and only split into query
 chunks (a loop over chunks) to bound the memory of the intermediates at long T. Every op works in
@@ -58,49 +60,80 @@ def _run_chunked(fn, Tq: int, per_query_bytes: int, *tensors):
 # --------------------------------------------------------------------------------------------
 # Compression (Eq. 7)
 # --------------------------------------------------------------------------------------------
-def compress(x: torch.Tensor, config: NSAConfig, phi=None) -> torch.Tensor:
+def compress(x: torch.Tensor, config: NSAConfig, phi=None, varlen=None) -> torch.Tensor:
     """Eq. 7: compressed token i = phi(x[i*d : i*d + l]) for i = 0 .. (T-l)//d.
 
     x ``[B,T,H,D]`` -> ``[B,Tc,H,D]`` with Tc = 0 if T < l else (T-l)//d + 1. ``phi`` maps blocks
-    ``[B,Tc,H,l,D]`` to ``[B,Tc,H,D]``; None is mean pooling.
+    ``[B,Tc,H,l,D]`` to ``[B,Tc,H,D]``; None is mean pooling. ``varlen``: the same over each document,
+    packed in document order (Tc = sum of n_cmp(L_i)).
     """
     B, T, H, D = x.shape
-    if T < config.l:
+    if varlen is not None:
+        doc, index = varlen.cmp_tokens(config, x.device)
+        if doc.numel() == 0:
+            return x.new_zeros(B, 0, H, D)
+        first = varlen.cu(x.device).to(torch.int64)[doc] + index * config.d  # each token's first raw row
+        rows = first[:, None] + torch.arange(config.l, device=x.device)  # [Tc, l]
+        blocks = x[:, rows].permute(0, 1, 3, 2, 4)  # [B,Tc,H,l,D]
+    elif T < config.l:
         return x.new_zeros(B, 0, H, D)
-    blocks = x.unfold(1, config.l, config.d).permute(0, 1, 2, 4, 3)  # [B,Tc,H,l,D]
+    else:
+        blocks = x.unfold(1, config.l, config.d).permute(0, 1, 2, 4, 3)  # [B,Tc,H,l,D]
     if phi is None:
         return blocks.mean(dim=3)
     return phi(blocks)
 
 
 # --------------------------------------------------------------------------------------------
+# Where each query row sits, and which compressed tokens it may see
+# --------------------------------------------------------------------------------------------
+def _positions(Tq: int, q_start: int, varlen, device) -> torch.Tensor:
+    """Each query row's position [Tq] (int64): q_start + r, or its position in its document."""
+    if varlen is None:
+        return q_start + torch.arange(Tq, device=device)
+    return varlen.row_pos(device).to(torch.int64)
+
+
+def _cmp_index(Tc: int, config: NSAConfig, varlen, device):
+    """(index of each compressed token in its sequence [Tc], its document [Tc] or None)."""
+    if varlen is None:
+        return torch.arange(Tc, device=device), None
+    doc, index = varlen.cmp_tokens(config, device)
+    return index, doc
+
+
+# --------------------------------------------------------------------------------------------
 # Compressed branch (Eqs. 5, 8) with its probabilities
 # --------------------------------------------------------------------------------------------
-def _cmp_probs(q, k_cmp, config, scale, q_start, c0, c1):
-    """p_cmp for queries c0..c1-1 of q: ``[B,H,G,c,Tc]`` in the accumulation dtype (Eq. 8)."""
+def _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen=None):
+    """p_cmp for queries c0..c1-1 of q at positions t[c0:c1]: ``[B,H,G,c,Tc]`` in the accumulation dtype
+    (Eq. 8); with packed documents, over all packed compressed tokens (zero outside the row's document)."""
     B, _, HQ, Dk = q.shape
     H, Tc = k_cmp.shape[2], k_cmp.shape[1]
     acc = _acc_dtype(q.dtype)
     qc = q[:, c0:c1].reshape(B, c1 - c0, H, HQ // H, Dk).to(acc)
     s = torch.einsum("bthgd,bchd->bhgtc", qc, k_cmp.to(acc)) * scale
-    t = q_start + torch.arange(c0, c1, device=q.device)
-    end = torch.arange(Tc, device=q.device) * config.d + config.l - 1
-    visible = end[None, :] <= t[:, None]  # [c, Tc]: compressed token i is visible iff i*d+l-1 <= t
+    index, doc = _cmp_index(Tc, config, varlen, q.device)
+    end = index * config.d + config.l - 1
+    visible = end[None, :] <= t[c0:c1, None]  # [c, Tc]: compressed token i is visible iff i*d+l-1 <= t
+    if doc is not None:
+        visible = visible & (doc[None, :] == varlen.row_doc(q.device)[c0:c1, None])
     s = s.masked_fill(~visible, torch.finfo(acc).min)
     # A row with no visible token would be uniform here; multiplying by the mask makes it zero.
     return torch.softmax(s, dim=-1) * visible
 
 
-def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0):
+def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, varlen=None):
     """Compressed branch (spec step 1; paper Eq. 5 with the compressed K/V of Eq. 7).
 
     Returns ``(o_cmp [B,Tq,HQ,Dv], p_cmp [B,Tq,HQ,Tc])``. Rows with no visible compressed token
-    have o_cmp = 0 and p_cmp = 0.
+    have o_cmp = 0 and p_cmp = 0. Packed documents: Tc counts every document's compressed tokens, and a
+    row's probabilities are zero outside its own document's.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
     Dv = v_cmp.shape[3]
-    p = _cmp_probs(q, k_cmp, config, scale, q_start, 0, Tq)
+    p = _cmp_probs(q, k_cmp, config, scale, _positions(Tq, q_start, varlen, q.device), 0, Tq, varlen)
     o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, Tq, HQ, Dv)
     return o.to(q.dtype), p.permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, k_cmp.shape[1]).to(q.dtype)
 
@@ -108,43 +141,38 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
 # --------------------------------------------------------------------------------------------
 # Selection scores (Eqs. 9, 10) and top-n (Eqs. 11, 12)
 # --------------------------------------------------------------------------------------------
-def _overlap_matrix(Tc: int, n_blocks: int, config: NSAConfig, device, dtype) -> torch.Tensor:
-    """W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d: the block-aligned Eq. 9 weights."""
-    i = torch.arange(Tc, device=device)
-    j = torch.arange(n_blocks, device=device)
+def _overlap_matrix(i: torch.Tensor, n_blocks: int, config: NSAConfig, dtype) -> torch.Tensor:
+    """W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d: the block-aligned Eq. 9 weights of the
+    compressed tokens of (in-sequence) index i."""
+    j = torch.arange(n_blocks, device=i.device)
     lo = torch.maximum(i[:, None] * config.d, j[None, :] * config.l_sel)
     hi = torch.minimum(i[:, None] * config.d + config.l, (j[None, :] + 1) * config.l_sel)
     return ((hi - lo).clamp(min=0) // config.d).to(dtype)
 
 
-def _group_scores_from_probs(p, config: NSAConfig, n_blocks: int):
+def _group_scores_from_probs(p, config: NSAConfig, n_blocks: int, varlen=None):
     """``[B,H,G,c,Tc]`` probabilities -> group scores ``[B,c,H,n_blocks]`` (Eq. 9 then Eq. 10)."""
-    W = _overlap_matrix(p.shape[-1], n_blocks, config, p.device, p.dtype)
+    W = _overlap_matrix(_cmp_index(p.shape[-1], config, varlen, p.device)[0], n_blocks, config, p.dtype)
     return torch.einsum("bhgtc,cj->bthj", p, W)
 
 
-def selection_scores(p_cmp, config: NSAConfig, n_blocks: int):
+def selection_scores(p_cmp, config: NSAConfig, n_blocks: int, varlen=None):
     """Eqs. 9-10: p_cmp ``[B,Tq,HQ,Tc]`` -> group-summed block scores ``[B,Tq,H,n_blocks]``.
 
     p_slc[j] = sum_i p_cmp[i] * |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d (the spec's
-    block-aligned form of Eq. 9), summed over the G query heads of each group (Eq. 10).
+    block-aligned form of Eq. 9), summed over the G query heads of each group (Eq. 10). Packed
+    documents: i and j count from the document's start (p_cmp is zero outside it).
     """
     B, Tq, HQ, Tc = p_cmp.shape
     H = config.n_kv_heads
     p = p_cmp.reshape(B, Tq, H, HQ // H, Tc).permute(0, 2, 3, 1, 4).to(_acc_dtype(p_cmp.dtype))
-    return _group_scores_from_probs(p, config, n_blocks)
+    return _group_scores_from_probs(p, config, n_blocks, varlen)
 
 
-def select_blocks(scores, config: NSAConfig, *, q_start: int = 0):
-    """Eqs. 11-12 with the spec's forcing: scores ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]``.
-
-    Candidates are blocks j <= t // l_sel. With at most n_sel candidates all are taken; otherwise
-    j < n_init and the n_local newest candidates are forced and the rest go to the highest scores,
-    ties to the lower index. Indices ascending, padded with -1.
-    """
+def _select(scores, config: NSAConfig, t):
+    """select_blocks for query rows at positions t [Tq]."""
     B, Tq, H, nb = scores.shape
     dev = scores.device
-    t = q_start + torch.arange(Tq, device=dev)
     last = (t // config.l_sel)[:, None]  # newest candidate block per query
     j = torch.arange(nb, device=dev)[None, :]
     cand = j <= last
@@ -163,24 +191,38 @@ def select_blocks(scores, config: NSAConfig, *, q_start: int = 0):
     return torch.where(idx == big, torch.full_like(idx, -1), idx)
 
 
-def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, n_keys=None):
+def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, varlen=None):
+    """Eqs. 11-12 with the spec's forcing: scores ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]``.
+
+    Candidates are blocks j <= t // l_sel. With at most n_sel candidates all are taken; otherwise
+    j < n_init and the n_local newest candidates are forced and the rest go to the highest scores,
+    ties to the lower index. Indices ascending, padded with -1. Packed documents: t and j count from
+    the document's start.
+    """
+    return _select(scores, config, _positions(scores.shape[1], q_start, varlen, scores.device))
+
+
+def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, n_keys=None,
+                      varlen=None):
     """The whole compressed branch as the dispatch sees it: Eq. 5 output plus the top-n indices
     (Eqs. 8-12), computed over query chunks so that no ``[B,HQ,T,Tc]`` tensor is held at once.
 
-    ``n_keys`` (S, default q_start + Tq) fixes the number of selection blocks ceil(S / l_sel).
+    ``n_keys`` (S, default q_start + Tq) fixes the number of selection blocks ceil(S / l_sel); with
+    packed documents (``varlen``), the longest document's.
     Returns ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel] int64)``.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
     H, Tc, Dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
     S = q_start + Tq if n_keys is None else n_keys
-    nb = config.n_blocks(S)
+    nb = config.n_blocks(S) if varlen is None else varlen.n_blocks(config)
+    t = _positions(Tq, q_start, varlen, q.device)
 
     def chunk(c0, c1, q, k_cmp, v_cmp):
-        p = _cmp_probs(q, k_cmp, config, scale, q_start, c0, c1)
+        p = _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen)
         o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, c1 - c0, HQ, Dv)
         with torch.no_grad():  # indices are not differentiable
-            idx = select_blocks(_group_scores_from_probs(p.detach(), config, nb), config, q_start=q_start + c0)
+            idx = _select(_group_scores_from_probs(p.detach(), config, nb, varlen), config, t[c0:c1])
         return o.to(q.dtype), idx
 
     per_query = 8 * B * HQ * max(Tc, 1) + 8 * B * H * nb
@@ -213,42 +255,54 @@ def _gather_attend(q, k, v, tok, valid, scale):
     return o.reshape(B, c, HQ, v.shape[3]).to(q.dtype)
 
 
-def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0):
+def _doc_rows(varlen, c0, c1, device):
+    """(first key row, key count) of the documents of query rows c0..c1-1, as [1, c, 1, 1] int64."""
+    doc = varlen.row_doc(device)[c0:c1].to(torch.int64)
+    cu = varlen.cu(device).to(torch.int64)
+    start, end = cu[doc], cu[doc + 1]
+    return start[None, :, None, None], (end - start)[None, :, None, None]
+
+
+def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0, varlen=None):
     """Selected branch (spec step 5, paper Eq. 5 over the blocks of Eq. 12): attention over the
     raw tokens u <= t in the selected blocks, read from the selection branch's own keys/values.
 
-    indices ``[B,Tq,H,n_sel]`` (ascending, -1 padded; -1 entries are ignored).
+    indices ``[B,Tq,H,n_sel]`` (ascending, -1 padded; -1 entries are ignored). Packed documents: block j
+    of a row covers its document's tokens [j*l_sel, (j+1)*l_sel).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
     H, S = k_sel.shape[2], k_sel.shape[1]
     ls = config.l_sel
     off = torch.arange(ls, device=q.device)
+    pos = _positions(Tq, q_start, varlen, q.device)
 
     def chunk(c0, c1, q, k_sel, v_sel):
         idx = indices[:, c0:c1]
-        tok = (idx[..., None] * ls + off).flatten(-2)  # [B,c,H,n_sel*l_sel]
-        t = (q_start + torch.arange(c0, c1, device=q.device))[None, :, None, None]
-        valid = (idx[..., None] >= 0).expand(*idx.shape, ls).flatten(-2) & (tok <= t) & (tok < S)
-        return _gather_attend(q[:, c0:c1], k_sel, v_sel, tok, valid, scale)
+        tok = (idx[..., None] * ls + off).flatten(-2)  # [B,c,H,n_sel*l_sel], positions in the row's sequence
+        t = pos[c0:c1][None, :, None, None]
+        start, n = (0, S) if varlen is None else _doc_rows(varlen, c0, c1, q.device)
+        valid = (idx[..., None] >= 0).expand(*idx.shape, ls).flatten(-2) & (tok <= t) & (tok < n)
+        return _gather_attend(q[:, c0:c1], k_sel, v_sel, tok + start, valid, scale)
 
     per_query = 4 * B * H * indices.shape[-1] * ls * (k_sel.shape[3] + v_sel.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_sel, v_sel)
 
 
-def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, q_start: int = 0):
+def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, q_start: int = 0, varlen=None):
     """Sliding branch (spec step 6): attention over u in [max(0, t-w+1), t] with the window
-    branch's own keys/values."""
+    branch's own keys/values (packed documents: u and t in the row's document)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
     H = k_win.shape[2]
-    w = min(config.w, q_start + Tq)
+    w = min(config.w, q_start + Tq if varlen is None else varlen.max_len)
     off = torch.arange(-w + 1, 1, device=q.device)
+    pos = _positions(Tq, q_start, varlen, q.device)
 
     def chunk(c0, c1, q, k_win, v_win):
-        t = q_start + torch.arange(c0, c1, device=q.device)
-        tok = (t[:, None] + off)[None, :, None, :].expand(B, c1 - c0, H, w)
-        return _gather_attend(q[:, c0:c1], k_win, v_win, tok, tok >= 0, scale)
+        tok = (pos[c0:c1, None] + off)[None, :, None, :].expand(B, c1 - c0, H, w)
+        start = 0 if varlen is None else _doc_rows(varlen, c0, c1, q.device)[0]
+        return _gather_attend(q[:, c0:c1], k_win, v_win, tok + start, tok >= 0, scale)
 
     per_query = 4 * B * H * w * (k_win.shape[3] + v_win.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_win, v_win)

@@ -98,6 +98,12 @@ def _ptxas_usage(ptx, arch):
     return int(regs.group(1)) if regs else -1, int(spill.group(1)) if spill else 0
 
 
+# The key-stream kernels and the top-n on one sequence per batch row (their tables None: constexpr), and
+# their packed-documents specialisation (the "varlen" rows).
+ONE = dict(TILES=None, CU_Q=None, CU_K=None, VARLEN=False)
+DOCS = dict(TILES="*i32", CU_Q="*i32", CU_K="*i32")
+
+
 def cases(dk, dv):
     """(name, kernel, constexprs, pointer types, int64 args, launch options[, float args]) as the
     launchers use them."""
@@ -108,23 +114,28 @@ def cases(dk, dv):
     wgeo = tiles.geometry(64, 4, dk, dv, win_t["rows"])
     bgeo = tiles.geometry(64, 4, dk, dv, bwd_t["rows"])
     io = dict(Q=bf, K=bf, V=bf, Out=bf, LSE=f32, SC=f32)
-    yield ("cmp fwd (scores)", compressed._fwd_kernel,
-           dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16,
-                BJP=16, SCORE_DOT=True, SCORE_LO=cmp_t["score_lo"], LSE_N=cmp_t["lse_n"], SPILL_W=1),
-           io, (), launch_options(cmp_t))
+    cmp_fwd = dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16,
+                   BJP=16, SCORE_DOT=True, SCORE_LO=cmp_t["score_lo"], LSE_N=cmp_t["lse_n"], SPILL_W=1)
     wn = win_t["block_n"]
     wide = wgeo["BLOCK_M"] * wgeo["GP"] >= win_t["rows"]  # as window._forward: else 4 warps, no cap
-    yield ("win fwd", window._fwd_kernel, dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, WINDOW=512), io, (),
-           launch_options(win_t) if wide else dict(num_warps=4, num_stages=win_t["stages"]))
+    win_fwd = dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, WINDOW=512)
+    win_opts = launch_options(win_t) if wide else dict(num_warps=4, num_stages=win_t["stages"])
     bwd = dict(bgeo, PREC="tf32", BLOCK_N=bwd_t["block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
+    wbwd = dict(bwd, STRIDE=1, OFFSET=0, WINDOW=512)
     opts = dict(num_warps=bwd_t["warps"], num_stages=bwd_t["stages"])
     dq_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf)
     dkdv_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32)
-    yield ("cmp bwd dq", attention_bwd._bwd_dq_kernel, bwd, dq_io, (), opts)
-    yield ("cmp bwd dk/dv", attention_bwd._bwd_dkdv_kernel, bwd, dkdv_io, ("sdk_s", "sdv_s"), opts)
-    wbwd = dict(bwd, STRIDE=1, OFFSET=0, WINDOW=512)
-    yield ("win bwd dq", attention_bwd._bwd_dq_kernel, wbwd, dq_io, (), opts)
-    yield ("win bwd dk/dv", attention_bwd._bwd_dkdv_kernel, wbwd, dkdv_io, ("sdk_s", "sdv_s"), opts)
+    for varlen in (False, True):
+        tag, c, p = (" varlen", dict(VARLEN=True), DOCS) if varlen else ("", ONE, {})
+        yield ("cmp fwd (scores)" + tag, compressed._fwd_kernel, dict(cmp_fwd, **c), dict(io, **p), (),
+               launch_options(cmp_t))
+        yield ("win fwd" + tag, window._fwd_kernel, dict(win_fwd, **c), dict(io, **p), (), win_opts)
+        yield ("cmp bwd dq" + tag, attention_bwd._bwd_dq_kernel, dict(bwd, **c), dict(dq_io, **p), (), opts)
+        yield ("cmp bwd dk/dv" + tag, attention_bwd._bwd_dkdv_kernel, dict(bwd, **c), dict(dkdv_io, **p),
+               ("sdk_s", "sdv_s"), opts)
+        yield ("win bwd dq" + tag, attention_bwd._bwd_dq_kernel, dict(wbwd, **c), dict(dq_io, **p), (), opts)
+        yield ("win bwd dk/dv" + tag, attention_bwd._bwd_dkdv_kernel, dict(wbwd, **c), dict(dkdv_io, **p),
+               ("sdk_s", "sdv_s"), opts)
     sel_t = tune["selection"]
     sel = dict(G=16, N_SEL=16, L_SEL=64, DK=dk, DV=dv, BLOCK_G=16, PREC="tf32",
                **selection._meta(dk, dv, 64, sel_t["block_s"]))
@@ -160,12 +171,14 @@ def cases(dk, dv):
            dict(G=16, N_SEL=16, DK=dk, BLOCK_R=16, BLOCK_DK=p2(dk, 16)),
            dict(DQPART=bf, IDX="*i32", DQ=bf), (), dict(num_warps=4))
     if dk == 128:
-        for width in (1, 64, 1024):  # the smallest, a middle and the 64k top-n bucket
+        # the smallest, a middle and the 64k top-n bucket; packed documents: one bucket (16k documents: 256)
+        for width, varlen in ((1, False), (64, False), (1024, False), (256, True)):
             rb = topn.topn_rows(width, 16, tune["topn"])
-            yield (f"top-n width {width}", topn._topn_kernel,
+            yield (f"top-n width {width}" + (" varlen" if varlen else ""), topn._topn_kernel,
                    dict(H=4, NBP=width, N_SEL=16, NSP=16, N_INIT=1, N_LOCAL=2, L_SEL=64, RB=rb,
-                        SEG=min(topn.TOPN_SEG, width)),
-                   dict(SC=f32, IDX="*i64"), ("ssc_b", "sidx_b"), dict(num_warps=tune["topn"]["warps"]))
+                        SEG=min(topn.TOPN_SEG, width), VARLEN=varlen, **({} if varlen else dict(POS=None))),
+                   dict(SC=f32, IDX="*i64", **(dict(POS="*i32") if varlen else {})), ("ssc_b", "sidx_b"),
+                   dict(num_warps=tune["topn"]["warps"]))
         g = dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=tune["gate"]["rows"])
         gw = dict(num_warps=tune["gate"]["warps"])
         yield ("gated sum fwd", gate._gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), gw)

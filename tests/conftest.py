@@ -1,6 +1,8 @@
-"""Shared fixtures for the NSA core tests: configs and random float64 inputs."""
+"""Shared fixtures for the NSA core tests: configs and random float64 inputs, packed documents, and the
+``gpu`` marker's rule (deselected where CUDA is not available)."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -69,6 +71,61 @@ def dense_causal_attention(q, k, v, scale=None):
     t = torch.arange(S - T, S)[:, None]
     s = s.masked_fill(torch.arange(S)[None, :] > t, float("-inf"))
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), vv)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run compiled kernels on CUDA: without a CUDA device they are deselected (reported
+    as deselected, never as passed or skipped)."""
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed documents (cu_seqlens)
+# ------------------------------------------------------------------------------------------------
+def cu_of(lens, device="cpu") -> torch.Tensor:
+    """cu_seqlens (int32) of documents of these lengths."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+def doc_lengths(cfg: NSAConfig) -> list[int]:
+    """Document lengths at every edge of a config: 1 token, l - 1 (no compressed token), l (one), l_sel + 3
+    (a second selection block), an empty document, w + 5 (past the window), and one past n_sel blocks."""
+    return [1, cfg.l - 1, cfg.l, cfg.l_sel + 3, 0, cfg.w + 5, (cfg.n_sel + 1) * cfg.l_sel + cfg.d + 1]
+
+
+def packed_inputs(cfg: NSAConfig, lens, seed: int = 0, dtype=F64, requires_grad: bool = False, device="cpu"):
+    """random_inputs over the N packed tokens of ``lens`` (B = 1), with k_cmp/v_cmp packed per document."""
+    N = sum(lens)
+    x = random_inputs(cfg, 1, N, seed=seed, dtype=dtype)
+    Tc = sum(cfg.n_cmp(n) for n in lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    x["k_cmp"] = torch.randn(1, Tc, cfg.n_kv_heads, cfg.d_k, generator=g, dtype=F64).mul(2).to(dtype)
+    x["v_cmp"] = torch.randn(1, Tc, cfg.n_kv_heads, cfg.d_v, generator=g, dtype=F64).to(dtype)
+    return {k: v.to(device).requires_grad_(requires_grad) for k, v in x.items()}
+
+
+def document_slices(cfg: NSAConfig, lens):
+    """(raw token slice, compressed token slice) of each document."""
+    raw = list(itertools.accumulate(lens, initial=0))
+    cmp = list(itertools.accumulate((cfg.n_cmp(n) for n in lens), initial=0))
+    return [(slice(a, b), slice(c, e)) for a, b, c, e in zip(raw, raw[1:], cmp, cmp[1:])]
+
+
+def per_document(fn, cfg: NSAConfig, lens, x: dict, names=ARG_ORDER):
+    """``fn(*each document's slices of x[names])`` run on every non-empty document alone (k_cmp/v_cmp by their
+    own offsets), outputs (a tensor or a tuple of them) concatenated along the token axis."""
+    outs = []
+    for raw, cmp in document_slices(cfg, lens):
+        if raw.stop > raw.start:
+            outs.append(fn(*(x[n][:, cmp if n in ("k_cmp", "v_cmp") else raw] for n in names)))
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts, 1) for parts in zip(*outs))
+    return torch.cat(outs, 1)
 
 
 @pytest.fixture(autouse=True)

@@ -151,7 +151,7 @@ def test_block_scores_match_reference(case, dtype, score_lo, tol, monkeypatch):
     main blocks, the mass carried past each tile's end, the last tile's carry."""
     cfg, qs, q, k, v = cmp_inputs(case, dtype, seed=13)
     got = []
-    monkeypatch.setattr(compressed, "topn_launch", lambda sc, *a: got.append(sc.clone()) or topn.topn_launch(sc, *a))
+    monkeypatch.setattr(compressed, "topn_launch", lambda sc, *a, **k: got.append(sc.clone()) or topn.topn_launch(sc, *a, **k))
     with tuning.overrides({"compressed": {"score_lo": score_lo}}):
         compressed_branch(q, k, v, cfg, q_start=qs)
     Tq = q.shape[1]
@@ -247,7 +247,7 @@ def test_on_scored_runs_once_before_the_last_top_n(monkeypatch, chunked):
             return lambda *a, **kw: log.append("kernel") or real_fwd[grid](*a, **kw)
 
     monkeypatch.setattr(compressed, "_fwd_kernel", Spy())
-    monkeypatch.setattr(compressed, "topn_launch", lambda *a: log.append("topn") or topn.topn_launch(*a))
+    monkeypatch.setattr(compressed, "topn_launch", lambda *a, **k: log.append("topn") or topn.topn_launch(*a, **k))
     # chunked: 16 rows of 20 blocks per chunk, 4 chunks
     with tuning.overrides({"compressed": {"score_buffer_bytes": 4 * 20 * 16 if chunked else 1 << 30}}):
         o, idx = compressed_branch(q, k, v, cfg, q_start=qs, on_scored=lambda: log.append("scored"))

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from nsa import NSAConfig, reference
 from nsa.backends.triton import poisoned_outputs, selection, triton_unsupported, tuning
+from nsa.varlen import Varlen
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
 pytestmark = pytest.mark.skipif(_OLD_INTERPRETER is not None, reason=_OLD_INTERPRETER or "")
@@ -150,7 +151,7 @@ def test_varlen_matches_per_sequence_reference(mode):
 
     def fn(q, k, v, i):
         with tuning.overrides({"selection": {"mode": mode, "dq_part": mode == "block"}}):
-            return selection.selected_attention_varlen(q, k, v, i, cu, cfg)
+            return selection.selected_attention(q[None], k[None], v[None], i[None], cfg, varlen=Varlen(cu))[0]
 
     def ref(q, k, v, i):
         outs = [reference.selected_attention(q[None, a:b], k[None, a:b], v[None, a:b], i[None, a:b], cfg)[0]

@@ -14,11 +14,19 @@ queries is bottom-right aligned, so keys are cut to ``[max(0, q_start-w+1), q_st
 one head dim for q, k and v: where Dk != Dv (or a dim is not a multiple of 8) all three are padded with
 zeros to a common multiple of 8, which leaves q·k and the output unchanged (the pad is sliced off).
 
+Packed documents (``varlen``): ``flash_attn_varlen_func`` (flash-attn) or, without the package,
+``torch.nn.attention.varlen.varlen_attn`` where this PyTorch has it with a ``window_size`` argument
+(``enable_gqa=True`` where it has that too; the kernel takes grouped heads natively), both with
+cu_seqlens and the same window; empty documents are left out of the cu_seqlens they get. Otherwise
+``varlen_unavailable`` says what is missing.
+
 The ``cmp`` and ``sel`` branches are not FlashAttention shapes (Eq. 9 scores from the compressed
 probabilities; per-query block sets of Eq. 12) and are reported unavailable.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +36,28 @@ from ..dispatch import Backend, BackendUnavailable
 try:  # the flash-attn package (CUDA only), if installed
     import flash_attn as _flash_attn
     from flash_attn import flash_attn_func as _flash_attn_func
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
 
     _IMPL = f"fa2:flash_attn {_flash_attn.__version__}"
 except Exception:  # noqa: BLE001 (any import failure means: not usable)
-    _flash_attn_func = None
+    _flash_attn_func = _flash_attn_varlen_func = None
     _IMPL = "fa2:torch-flash"
+
+
+def _torch_varlen():
+    """(PyTorch's ``varlen_attn`` and whether it takes ``enable_gqa``, None) where it exists with a
+    ``window_size`` argument, else (None, False, why not)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False, f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn"
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params:
+        return None, False, f"torch {torch.__version__}'s varlen_attn has no window_size argument"
+    return varlen_attn, "enable_gqa" in params, None
+
+
+_TORCH_VARLEN, _TORCH_VARLEN_GQA, _NO_TORCH_VARLEN = _torch_varlen()
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -61,6 +86,23 @@ def _torch_flash_window(q, k, v, w, scale):
     return out[0]
 
 
+def _varlen_window(q, k, v, varlen, w, scale):
+    """Sliding window inside each packed document: q ``[N,HQ,D]``, k/v ``[N,H,D]`` -> ``[N,HQ,D]``."""
+    def nonempty_cu():  # the documents' bounds without empty documents
+        ends = [s + n for s, n in zip(varlen.starts, varlen.lens) if n]
+        return torch.tensor([0] + ends, dtype=torch.int32).to(q.device)
+
+    if varlen.total == 0:
+        return q.new_zeros(q.shape)
+    cu = varlen.kept(("fa2_cu", str(q.device)), nonempty_cu)
+    n = varlen.max_len
+    if _flash_attn_varlen_func is not None:
+        return _flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale, causal=True, window_size=(w - 1, 0))
+    gqa = dict(enable_gqa=True) if _TORCH_VARLEN_GQA and q.shape[1] != k.shape[1] else {}
+    return _TORCH_VARLEN(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, scale=scale,
+                         window_size=(w - 1, 0), **gqa)
+
+
 class FA2Backend(Backend):
     name = "fa2"
     impl = _IMPL
@@ -85,7 +127,12 @@ class FA2Backend(Backend):
             return "this PyTorch build has no FlashAttention kernel and flash-attn is not installed"
         return None
 
-    def window(self, q, k_win, v_win, config, *, scale, q_start):
+    def varlen_unavailable(self, branch, device, dtype):
+        if _flash_attn_varlen_func is None and _TORCH_VARLEN is None:
+            return f"packed documents need flash-attn's flash_attn_varlen_func, which is not installed, or {_NO_TORCH_VARLEN}"
+        return None
+
+    def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
         Tq, Dk = q.shape[1], q.shape[3]
         Dv = v_win.shape[-1]
         S = q_start + Tq
@@ -95,6 +142,8 @@ class FA2Backend(Backend):
         if D > 256:
             raise BackendUnavailable(f"backend 'fa2' cannot run branch 'win': head dim {D} > 256")
         qp, kp, vp = _pad_to(q, D), _pad_to(k, D), _pad_to(v, D)
+        if varlen is not None:
+            return _varlen_window(qp[0], kp[0], vp[0], varlen, config.w, scale)[None, ..., :Dv]
         if _flash_attn_func is not None:
             o = _flash_attn_func(qp, kp, vp, softmax_scale=scale, causal=True, window_size=(config.w - 1, 0))
         else:

@@ -7,6 +7,8 @@
 * CPU: ``F.scaled_dot_product_attention`` with an explicit boolean band mask (O(Tq*S) memory; for
   tests and small shapes). FlexAttention is not used on CPU: torch raises for its backward there and
   its eager CPU forward is a debugging path.
+* Packed documents (``varlen``): the same masks and a document mask (query and key in one document);
+  FlexAttention's block mask is kept with the documents (``Varlen.kept``), one per window size.
 
 The ``cmp`` and ``sel`` branches are reported unavailable (reasons in ``unavailable``); nothing falls
 back inside this backend.
@@ -53,9 +55,27 @@ def window_block_mask(Tq: int, S: int, w: int, q_start: int, device):
     return bm
 
 
-def flex_window(q, k, v, w: int, scale: float, q_start: int):
+def document_window_mask(varlen, w: int, device):
+    """FlexAttention BlockMask of the sliding window inside each packed document (spec "Varlen")."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def make():
+        doc = varlen.row_doc(device)
+
+        def mask_mod(b, h, qi, ki):
+            return (doc[qi] == doc[ki]) & (ki <= qi) & (ki > qi - w)
+
+        return create_block_mask(mask_mod, None, None, varlen.total, varlen.total, device=device)
+
+    return varlen.kept(("flex_window", w, str(device)), make)
+
+
+def flex_window(q, k, v, w: int, scale: float, q_start: int, varlen=None):
     """[B,Tq,HQ,Dk] x [B,S,H,*] -> [B,Tq,HQ,Dv] through compiled FlexAttention."""
-    bm = window_block_mask(q.shape[1], k.shape[1], w, q_start, q.device)
+    if varlen is None:
+        bm = window_block_mask(q.shape[1], k.shape[1], w, q_start, q.device)
+    else:
+        bm = document_window_mask(varlen, w, q.device)
     o = _flex_attention()(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -67,12 +87,15 @@ def flex_window(q, k, v, w: int, scale: float, q_start: int):
     return o.transpose(1, 2)
 
 
-def sdpa_window(q, k, v, w: int, scale: float, q_start: int):
+def sdpa_window(q, k, v, w: int, scale: float, q_start: int, varlen=None):
     """The same through SDPA with a boolean band mask (any device; O(Tq*S) mask)."""
     Tq, S = q.shape[1], k.shape[1]
     t = q_start + torch.arange(Tq, device=q.device)[:, None]
     u = torch.arange(S, device=q.device)[None, :]
     band = (u <= t) & (u > t - w)
+    if varlen is not None:
+        doc = varlen.row_doc(q.device)
+        band = band & (doc[:, None] == doc[None, :])
     o = sdpa_gqa(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -116,12 +139,12 @@ class SDPABackend(Backend):
             return None
         return f"no {device.type} path (CUDA: FlexAttention; CPU: SDPA with a band mask)"
 
-    def window(self, q, k_win, v_win, config, *, scale, q_start):
+    def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
         S = q_start + q.shape[1]
         k, v = k_win[:, :S], v_win[:, :S]
         if q.device.type == "cuda":
-            return flex_window(q, k, v, config.w, scale, q_start)
-        return sdpa_window(q, k, v, config.w, scale, q_start)
+            return flex_window(q, k, v, config.w, scale, q_start, varlen)
+        return sdpa_window(q, k, v, config.w, scale, q_start, varlen)
 
 
 BACKEND = SDPABackend()

@@ -5,7 +5,8 @@ how CI tests every kernel at small shapes. Each operator keeps the reference's s
 (``nsa.reference``): ``compressed`` (compressed attention + Eq. 9-12 top-n), ``selected``,
 ``window``, the fused gated sum ``combine``, ``selected_gated`` (the selected branch with the
 gated sum in its epilogue, for forwards that need no gradient) and ``decode_kernels`` (the fused
-decode step of ``nsa.decode.GraphDecoder``).
+decode step of ``nsa.decode.GraphDecoder``). Every branch runs on packed documents too (``varlen``:
+tile tables of ``nsa.varlen``, see ``tiles``).
 
 One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12), ``selection``,
 ``window``, ``attention_bwd`` (the compressed and window backward), ``gate`` (Eq. 5), ``rowdot``
@@ -57,26 +58,27 @@ class TritonBackend(Backend):
             return INTERPRETER_BF16 if dtype == torch.bfloat16 else triton_unsupported()
         return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
 
-    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None):
+    def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
         from .compressed import compressed_branch
         return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
-                                 on_scored=on_scored)
+                                 on_scored=on_scored, varlen=varlen)
 
-    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start):
+    def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start, varlen=None):
         from .selection import selected_attention
-        return selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start)
+        return selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start, varlen=varlen)
 
-    def window(self, q, k_win, v_win, config, *, scale, q_start):
+    def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
         from .window import sliding_window_attention
-        return sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start)
+        return sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start, varlen=varlen)
 
     def combine(self, o_cmp, o_sel, o_win, gates):
         from .gate import gated_sum
         return gated_sum(o_cmp, o_sel, o_win, gates)
 
-    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start):
+    def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start, varlen=None):
         from .selection import selected_gated  # Eq. 5 in the selection kernel's epilogue
-        return selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, scale=scale, q_start=q_start)
+        return selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, scale=scale, q_start=q_start,
+                              varlen=varlen)
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
         from .decode import DecodeKernels

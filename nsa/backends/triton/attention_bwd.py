@@ -5,7 +5,8 @@ A dq kernel (per query tile, looping over the keys it sees) and a dk/dv kernel (
 looping over the query tiles that see it, split into query shares when there are too few key tiles
 to fill the GPU), both recomputing p from the forward's log-sum-exp (base 2) and using
 delta = rowsum(dO * O) (``rowdot``). Launch parameters: ``tuning.params("attention_bwd")``, fixed by
-the forward.
+the forward. Packed documents (VARLEN): query tiles and key tiles come from ``nsa.varlen`` tile tables,
+each within one document (``tiles.doc_span``).
 """
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
@@ -15,25 +16,36 @@ import triton
 import triton.language as tl
 
 from .rowdot import row_dot
-from .tiles import geometry, key_range, load_head_rows, load_row_stats, load_rows, query_rows, store_head_rows, visible
+from .tiles import (at_doc, doc_rows, doc_span, geometry, key_range, load_head_rows, load_row_stats, load_rows, query_grid,
+                    query_rows, store_head_rows, visible)
 from .utils import LOG2E, dot_precision, empty
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sdo_b, sdo_t, sdo_h,
-    sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
+    Q, K, V, DO, LSE, DELTA, DQ, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
+    sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    b, h, m0, m, t, head, row_ok = query_rows(q_start, 0, Tq, H, G, GP, BLOCK_M)
+    """dq of one query tile (VARLEN: of a tile-table entry, rows of one document; Tq stays the row
+    stride of LSE/DELTA [B,HQ,Tq])."""
+    if VARLEN:
+        h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, 0, Tq, G, GP, BLOCK_M)
+        b = 0
+        Q, DO, LSE, K, V = at_doc(Q, DO, LSE, K, V, q0, k0, sq_t, sdo_t, sk_n, sv_n)
+        DELTA += q0
+        DQ += q0 * sdq_t
+    else:
+        b, h, m0, m, t, head, row_ok = query_rows(q_start, 0, Tq, H, G, GP, BLOCK_M)
+        m_end = Tq
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
     do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
     lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
-    tmin, tmax, hi = key_range(q_start, m0, Tq, N, STRIDE, OFFSET, BLOCK_M)
+    tmin, tmax, hi = key_range(q_start, m0, m_end, N, STRIDE, OFFSET, BLOCK_M)
     if WINDOW > 0:
         lo = tl.maximum(tmin - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
@@ -76,11 +88,12 @@ def _dkdv_queries(n0, N, Tq, q_start, pid_s, n_split, STRIDE: tl.constexpr, OFFS
 
 
 @triton.jit
-def _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m, g, head, b, Tq, q_start, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h,
-               dk, dv, dk_acc, dv_acc, scale_log2, HQ: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+def _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m, g, head, b, m_end, Tq, q_start, sq_b, sq_t, sq_h, sdo_b, sdo_t,
+               sdo_h, dk, dv, dk_acc, dv_acc, scale_log2, HQ: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """dk/dv contributions of the query rows m (position, head) to the key tile (k, v)."""
-    row_ok = (m < Tq) & (g < G)
+    """dk/dv contributions of the query rows m (position, head; those below m_end) to the key tile (k, v);
+    Tq: the row stride of LSE/DELTA."""
+    row_ok = (m < m_end) & (g < G)
     t = q_start + m
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
     do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
@@ -104,21 +117,32 @@ def _store_key_rows(X, x, b, h, s_b, s_n, s_h, n, d, n_ok, D: tl.constexpr):
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_, DV_, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, sdo_b, sdo_t, sdo_h,
-    sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h, sdk_s, sdv_s, N, Tq, q_start, scale_log2, scale,
+    Q, K, V, DO, LSE, DELTA, DK_, DV_, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
+    sdo_b, sdo_t, sdo_h, sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h, sdk_s, sdv_s, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """dk/dv of one key tile (program_id 0) of head h; program_id 2 picks the query share, whose
-    float32 partial dk/dv slice (sdk_s / sdv_s apart) the launcher sums."""
+    """dk/dv of one key tile (program_id 0; VARLEN: a key-tile table entry, keys of one document) of head
+    h; program_id 2 picks the query share, whose float32 partial dk/dv slice (sdk_s / sdv_s apart) the
+    launcher sums."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)  # query share
     n_split = tl.num_programs(2)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    n0 = pid_n * BLOCK_N
+    if VARLEN:
+        q0, k0, m_end, N, n0 = doc_span(TILES, CU_Q, CU_K, pid_n)
+        b = 0
+        h = pid_bh
+        Q, DO, LSE, K, V = at_doc(Q, DO, LSE, K, V, q0, k0, sq_t, sdo_t, sk_n, sv_n)
+        DELTA += q0
+        DK_ += k0 * sdk_n
+        DV_ += k0 * sdv_n
+    else:
+        b = (pid_bh // H).to(tl.int64)
+        h = pid_bh % H
+        n0 = pid_n * BLOCK_N
+        m_end = Tq
     nn = tl.arange(0, BLOCK_N)
     n = n0 + nn
     n_ok = n < N
@@ -127,14 +151,14 @@ def _bwd_dkdv_kernel(
     dv = tl.arange(0, BDV)
     k = load_rows(K + b * sk_b + h * sk_h, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
     v = load_rows(V + b * sv_b + h * sv_h, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
-    m_lo, m_hi = _dkdv_queries(n0, N, Tq, q_start, pid_s, n_split, STRIDE, OFFSET, WINDOW, BLOCK_M, BLOCK_N)
+    m_lo, m_hi = _dkdv_queries(n0, N, m_end, q_start, pid_s, n_split, STRIDE, OFFSET, WINDOW, BLOCK_M, BLOCK_N)
     r = tl.arange(0, BLOCK_M * GP)
     g = r % GP
     head = h * G + g
     dk_acc = tl.zeros([BLOCK_N, BDK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BDV], tl.float32)
     for m0 in range(m_lo, m_hi, BLOCK_M):
-        dk_acc, dv_acc = _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m0 + r // GP, g, head, b, Tq, q_start,
+        dk_acc, dv_acc = _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m0 + r // GP, g, head, b, m_end, Tq, q_start,
                                     sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, dk_acc, dv_acc, scale_log2,
                                     HQ, G, DK, DV, WINDOW, PREC)
     dk_acc = dk_acc * scale
@@ -144,9 +168,10 @@ def _bwd_dkdv_kernel(
     _store_key_rows(DV_, dv_acc, b, h, sdv_b, sdv_n, sdv_h, n, dv, n_ok, DV)
 
 
-def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tune):
+def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tune, varlen=None):
     """(dq, dk, dv) of attention over the key stream (stride, offset, window) given the forward's o and
-    base-2 lse [B,HQ,Tq]; ``tune``: ``tuning.params("attention_bwd")``."""
+    base-2 lse [B,HQ,Tq]; ``tune``: ``tuning.params("attention_bwd")``; ``varlen``: packed documents (B = 1,
+    the key stream packed per document)."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     geo = geometry(HQ, H, Dk, Dv, tune["rows"])
@@ -154,25 +179,32 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
     delta = row_dot(do, o).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]: rowsum(dO * O)
     dq, dk, dv = empty(q.shape, q), empty(k.shape, k), empty(v.shape, v)
     common = dict(**geo, BLOCK_N=tune["block_n"], STRIDE=stride, OFFSET=offset, WINDOW=window,
-                  PREC=dot_precision(q.dtype), num_warps=tune["warps"], num_stages=tune["stages"])
+                  PREC=dot_precision(q.dtype), VARLEN=varlen is not None, num_warps=tune["warps"],
+                  num_stages=tune["stages"])
     if B > 0 and Tq > 0:
-        _bwd_dq_kernel[(triton.cdiv(Tq, geo["BLOCK_M"]), B * H)](
-            q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+        grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
+        _bwd_dq_kernel[grid](
+            q, k, v, do, lse, delta, dq, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dq.stride()[:3], N, Tq, q_start, scale * LOG2E, scale, **common,
         )
     if B > 0 and N > 0:
-        n_kt = triton.cdiv(N, tune["block_n"])
+        if varlen is None:
+            n_kt, docs, q_rows = triton.cdiv(N, tune["block_n"]), (None, None, None), Tq
+        else:  # key tiles of each document's keys; a tile's queries are its document's
+            tiles = varlen.key_tiles(tune["block_n"], q.device, stride, offset, window)
+            n_kt, q_rows = tiles.shape[0], varlen.max_len
+            docs = (tiles, varlen.cu(q.device), varlen.cu_keys(q.device, stride, offset))
         n_split = max(1, min(tune["split_max"], -(-tune["programs"] // (n_kt * B * H)),
-                             triton.cdiv(Tq, geo["BLOCK_M"])))
+                             triton.cdiv(q_rows, geo["BLOCK_M"])))
         if n_split > 1:
             dkw = empty((n_split, *k.shape), k, torch.float32)
             dvw = empty((n_split, *v.shape), v, torch.float32)
         else:
             dkw, dvw = dk[None], dv[None]
         _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
-            q, k, v, do, lse, delta, dkw, dvw, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dkw.stride()[1:4], *dvw.stride()[1:4], dkw.stride(0), dvw.stride(0), N, Tq, q_start, scale * LOG2E,
-            scale, **common,
+            q, k, v, do, lse, delta, dkw, dvw, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *dkw.stride()[1:4], *dvw.stride()[1:4], dkw.stride(0), dvw.stride(0), N, Tq, q_start,
+            scale * LOG2E, scale, **common,
         )
         if n_split > 1:
             dk, dv = dkw.sum(0).to(k.dtype), dvw.sum(0).to(v.dtype)

@@ -24,7 +24,8 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import geometry, key_range, load_head_rows, load_rows, query_rows, store_head_rows, visible
+from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
+                    visible)
 from .topn import topn_launch
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
 
@@ -179,17 +180,20 @@ def _score_pass(q, kb, vb, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, LSE, SC, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h,
+    Q, K, V, Out, LSE, SC, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h,
     ssc_b, ssc_t, ssc_h, N, Tq, q_start, m_begin, m_end, nb, scale_log2,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
     BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr, SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr,
-    LSE_N: tl.constexpr, SPILL_W: tl.constexpr,
+    LSE_N: tl.constexpr, SPILL_W: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """o_cmp [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the block scores of queries [m_begin, m_end)
-    (rows of SC: position - m_begin)."""
-    b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    (rows of SC: position - m_begin). VARLEN: packed documents (B = 1; TILES, CU_Q = cu_seqlens, CU_K =
+    the compressed tokens' offsets, see ``tiles.doc_rows``); else TILES, CU_Q, CU_K are None."""
+    b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
+        Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
+        VARLEN)
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
@@ -217,10 +221,11 @@ def _fwd_kernel(
     tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
 
 
-def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune):
+def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varlen=None):
     """o [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the top-n indices [B,Tq,H,n_sel], the block scores
     consumed chunk by chunk. ``on_scored()`` (optional) is called once the last chunk's attention and
-    scoring kernel is queued, before its top-n."""
+    scoring kernel is queued, before its top-n. ``varlen``: packed documents (B = 1; a chunk's tiles
+    are its documents' parts, each its own sequence)."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     geo = geometry(HQ, H, Dk, Dv, tune["rows"])
@@ -253,16 +258,17 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune):
         c1 = min(Tq, c0 + chunk)
         # every candidate block (j <= t // l_sel) of every row is written by the kernel: no memset
         sc = empty((B, c1 - c0, H, nb), q, torch.float32)
-        _fwd_kernel[(triton.cdiv(c1 - c0, geo["BLOCK_M"]), B * H)](
-            q, k, v, o, lse, sc, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, c0, c1, config.d, config.l - 1)
+        _fwd_kernel[grid](
+            q, k, v, o, lse, sc, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             *sc.stride()[:3], N, Tq, q_start, c0, c1, n_blocks, scale * LOG2E,
             **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d, OFFSET=config.l - 1, PREC=dot_precision(q.dtype),
-            LSE_N=tune["lse_n"], **launch_options(tune), **kw,
+            LSE_N=tune["lse_n"], VARLEN=varlen is not None, **launch_options(tune), **kw,
         )
         if on_scored is not None and c1 == Tq:
             on_scored()
         out = idx if (c0 == 0 and c1 == Tq) else empty((B, c1 - c0, H, config.n_sel), q, torch.int64)
-        topn_launch(sc, out, q_start + c0, nb, config)
+        topn_launch(sc, out, q_start + c0, nb, config, pos=None if varlen is None else varlen.row_pos(q.device)[c0:c1])
         if out is not idx:
             idx[:, c0:c1] = out
     return o, lse, idx
@@ -272,13 +278,13 @@ class CompressedAttention(torch.autograd.Function):
     """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None):
+    def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None, varlen=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o, lse, idx = _forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
-                               on_scored=on_scored, tune=tuning.params("compressed", q.device))
+                               on_scored=on_scored, tune=tuning.params("compressed", q.device), varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = dict(scale=scale, q_start=q_start, stride=config.d, offset=config.l - 1, window=0,
-                        tune=tuning.params("attention_bwd", q.device))
+                        tune=tuning.params("attention_bwd", q.device), varlen=varlen)
         ctx.mark_non_differentiable(idx)
         return o, idx
 
@@ -286,13 +292,16 @@ class CompressedAttention(torch.autograd.Function):
     def backward(ctx, do, _didx):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, **ctx.geom)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, n_keys=None, on_scored=None):
+def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, n_keys=None, on_scored=None,
+                      varlen=None):
     """Returns ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel] int64)``; see the module docstring.
     ``on_scored()`` (optional, no arguments, no autograd work) is called once the attention and scoring
-    kernel is queued, before the top-n: ``nsa.functional`` records a CUDA event there."""
+    kernel is queued, before the top-n: ``nsa.functional`` records a CUDA event there. ``varlen``: packed
+    documents (a ``nsa.varlen.Varlen``; k_cmp/v_cmp packed per document)."""
     scale = default_scale(q, scale)
     S = q_start + q.shape[1] if n_keys is None else n_keys
-    return CompressedAttention.apply(q, k_cmp, v_cmp, config, scale, int(q_start), config.n_blocks(S), on_scored)
+    nb = config.n_blocks(S) if varlen is None else varlen.n_blocks(config)
+    return CompressedAttention.apply(q, k_cmp, v_cmp, config, scale, int(q_start), nb, on_scored, varlen)

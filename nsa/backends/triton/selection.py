@@ -4,7 +4,8 @@ Same contract as ``nsa.reference.selected_attention``: q ``[B,Tq,HQ,Dk]``, k ``[
 v ``[B,S,H,Dv]``, indices ``[B,Tq,H,n_sel]`` (-1 entries ignored); query row i sits at absolute
 position t = q_start + i and attends to the raw tokens u <= t (u < S) of its selected blocks
 (block j = tokens [j*l_sel, (j+1)*l_sel)). Query head h reads key/value head h // G. Differentiable
-in q, k, v. ``selected_attention_varlen`` takes the packed layout with ``cu_seqlens``. Launch
+in q, k, v. Packed documents (``varlen``, a ``nsa.varlen.Varlen``; B = 1): row i of document k sits at
+position i - cu_seqlens[k] and its block j covers that document's tokens [j*l_sel, (j+1)*l_sel). Launch
 parameters, and which kernel family runs: ``tuning.params("selection")``.
 
 Two kernel families, both group-centric (paper Fig. 3: the G heads of a group share the blocks and
@@ -373,7 +374,7 @@ def _dq_combine_kernel(
 # Host side
 # ------------------------------------------------------------------------------------------------
 class _Layout:
-    """Packed-token view shared by the batched and varlen entry points.
+    """Packed-token view of the batched and the varlen layouts (one sequence per batch row, or documents).
 
     q ``[Nq,HQ,Dk]``, k/v ``[Nk,H,D]``, indices ``[Nq,H,n_sel]``; sequence i owns query rows
     cu_q[i]..cu_q[i+1] and key rows cu_k[i]..cu_k[i+1]; query row r of sequence i sits at
@@ -583,7 +584,11 @@ def _run(q, k, v, indices, lay, config, scale):
                                     config.l_sel, mode, tune)
 
 
-def _batched_layout(q, k_sel, config, q_start):
+def _layout(q, k_sel, config, q_start, varlen):
+    """The ``_Layout`` of [B, Tq] queries over [B, S] keys, or of packed documents (B = 1)."""
+    if varlen is not None:
+        cu = varlen.cu(q.device)
+        return _Layout(cu, cu, varlen.row_doc(q.device), 0, varlen.n_blocks(config))
     B, Tq = q.shape[:2]
     S = k_sel.shape[1]
     ar = torch.arange(B + 1, device=q.device, dtype=torch.int32)
@@ -591,16 +596,17 @@ def _batched_layout(q, k_sel, config, q_start):
                    q_start, config.n_blocks(S))
 
 
-def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0):
-    """Selected branch, batched layout; same contract as ``nsa.reference.selected_attention``."""
+def selected_attention(q, k_sel, v_sel, indices, config, *, scale=None, q_start: int = 0, varlen=None):
+    """Selected branch; same contract as ``nsa.reference.selected_attention``."""
     B, Tq, HQ, Dk = q.shape
     S, H = k_sel.shape[1], k_sel.shape[2]
     o = _run(q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, v_sel.shape[-1]),
-             indices.reshape(B * Tq, H, indices.shape[-1]), _batched_layout(q, k_sel, config, q_start), config, scale)
+             indices.reshape(B * Tq, H, indices.shape[-1]), _layout(q, k_sel, config, q_start, varlen), config, scale)
     return o.reshape(B, Tq, HQ, v_sel.shape[-1])
 
 
-def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale=None, q_start: int = 0):
+def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale=None, q_start: int = 0,
+                   varlen=None):
     """The layer's output without autograd (prefill/inference): Eq. 5's gated sum
     ``g_cmp o_cmp + g_sel o_sel + g_win o_win`` with o_sel the selected branch of
     :func:`selected_attention` (same arguments), the sum done in float32 in the selection kernel's
@@ -620,21 +626,7 @@ def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, sca
     qf, kf, vf = q.reshape(B * Tq, HQ, Dk), k_sel.reshape(B * S, H, Dk), v_sel.reshape(B * S, H, Dv)
     scale, mode, tune, idx = _prepare(qf, kf, vf, indices.reshape(B * Tq, H, indices.shape[-1]), config, scale)
     gated = tuple(x.reshape(B * Tq, HQ, x.shape[-1]).contiguous() for x in (o_cmp, o_win, gates))
-    lay = _batched_layout(q, k_sel, config, q_start)
+    lay = _layout(q, k_sel, config, q_start, varlen)
     o, _, _ = _forward(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay, scale, config.l_sel, mode, tune,
                        gated=gated)
     return o.reshape(B, Tq, HQ, Dv)
-
-
-def selected_attention_varlen(q, k_sel, v_sel, indices, cu_seqlens, config, scale=None):
-    """Selected branch over packed sequences (prefill): q ``[N,HQ,Dk]``, k/v ``[N,H,D]``, indices
-    ``[N,H,n_sel]`` with block numbers relative to each sequence's start; ``cu_seqlens`` ``[n_seq+1]``
-    (int, starts at 0). Token r of sequence i sits at position r - cu_seqlens[i]."""
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
-    n_seq = lens.numel()
-    row_seq = torch.repeat_interleave(torch.arange(n_seq, device=q.device, dtype=torch.int32), lens,
-                                      output_size=q.shape[0])
-    max_len = int(lens.max()) if n_seq else 0
-    lay = _Layout(cu, cu, row_seq, 0, config.n_blocks(max(max_len, 1)))
-    return _run(q, k_sel, v_sel, indices, lay, config, scale)

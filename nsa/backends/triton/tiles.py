@@ -12,6 +12,12 @@ A program owns one key/value head h and a tile of BLOCK_M query positions, and i
 (position, head-in-group) pairs of that tile: row r = (m, g) with m = r // GP, g = r % GP, query head
 h*G + g. So the keys of group h are loaded once for all G heads (GQA), and sums over the group
 (Eq. 10) are a reshape and a sum.
+
+Packed documents (``nsa.varlen``; the kernels' constexpr VARLEN): B = 1, and program_id(0) is an entry
+of a tile table (``Varlen.query_tiles`` / ``key_tiles``: document, first position) instead of a tile
+number. ``doc_span`` reads where that document's queries and keys start in the packed tensors; the
+kernel moves its base pointers there and then works as on one sequence of that document's length,
+positions counted from its start: no tile straddles two documents.
 """
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
@@ -41,6 +47,56 @@ def query_rows(q_start, m_begin, m_end, H: tl.constexpr, G: tl.constexpr, GP: tl
     t = q_start + m
     head = h * G + g
     return b, h, m0, m, t, head, row_ok
+
+
+@triton.jit
+def doc_span(TILES, CU_Q, CU_K, pid):
+    """Entry ``pid`` of a varlen tile table: (first query row q0 and key row k0 of its document in the
+    packed tensors (int64), the document's query and key counts, the tile's first position or key)."""
+    doc = tl.load(TILES + 2 * pid)
+    first = tl.load(TILES + 2 * pid + 1)
+    q0 = tl.load(CU_Q + doc)
+    k0 = tl.load(CU_K + doc)
+    return q0.to(tl.int64), k0.to(tl.int64), tl.load(CU_Q + doc + 1) - q0, tl.load(CU_K + doc + 1) - k0, first
+
+
+@triton.jit
+def doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The varlen twin of ``query_rows`` (grid: tile-table entries, H): this program's rows of packed rows
+    [m_begin, m_end), as (h, m0, m, t, head, row_ok, q0, k0, n_keys, m_begin, m_end) with m0 / m / t and
+    the returned bounds in the document's positions (m_begin may be negative: rows before the document)."""
+    q0, k0, n_q, n_keys, m0 = doc_span(TILES, CU_Q, CU_K, tl.program_id(0))
+    h = tl.program_id(1)
+    m_begin = m_begin - q0.to(tl.int32)
+    m_end = tl.minimum(m_end - q0.to(tl.int32), n_q)
+    r = tl.arange(0, BLOCK_M * GP)
+    m = m0 + r // GP
+    g = r % GP
+    row_ok = (m < m_end) & (g < G)
+    return h, m0, m, m, h * G + g, row_ok, q0, k0, n_keys, m_begin, m_end
+
+
+@triton.jit
+def at_doc(Q, O, LSE, K, V, q0, k0, sq_t, so_t, sk_n, sv_n):
+    """The pointers of a document: the query-side tensors (q, the output or dO: [B,T,HQ,D]; lse: [B,HQ,T])
+    q0 rows on, the key-side ones (k, v: [B,N,H,D]) k0 rows on."""
+    return Q + q0 * sq_t, O + q0 * so_t, LSE + q0, K + k0 * sk_n, V + k0 * sv_n
+
+
+@triton.jit
+def forward_rows(Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end,
+                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """A forward program's rows over query rows [m_begin, m_end): ``query_rows``, or with VARLEN ``doc_rows``
+    with its document's key count and pointers (``at_doc``). Returns (b, h, m0, m, t, head, row_ok,
+    m_begin, m_end, N, Q, Out, LSE, K, V)."""
+    if VARLEN:
+        h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, m_begin, m_end, G, GP,
+                                                                       BLOCK_M)
+        b = 0
+        Q, Out, LSE, K, V = at_doc(Q, Out, LSE, K, V, q0, k0, sq_t, so_t, sk_n, sv_n)
+    else:
+        b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    return b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V
 
 
 @triton.jit
@@ -123,3 +179,14 @@ def geometry(HQ, H, Dk, Dv, rows):
     if max(Dk, Dv) > 128:
         rows = min(rows, 64)  # shared memory: 128 rows of Dk=192 (padded to 256) exceed the H200's 227 KB
     return dict(HQ=HQ, H=H, G=G, GP=GP, DK=Dk, DV=Dv, BDK=p2(Dk, 16), BDV=p2(Dv, 16), BLOCK_M=max(1, rows // GP))
+
+
+def query_grid(varlen, block, B, H, device, lo, hi, stride=1, offset=0):
+    """(grid, (TILES, CU_Q, CU_K)) of a kernel over query tiles of ``block`` positions covering rows
+    [lo, hi): (tiles, B*H) and no tables for one sequence per batch row; with packed documents
+    (``varlen``, B = 1) the entries of ``Varlen.query_tiles`` times H, cu_seqlens and the offsets of the
+    documents' keys in the key stream (stride, offset)."""
+    if varlen is None:
+        return (triton.cdiv(hi - lo, block), B * H), (None, None, None)
+    tiles = varlen.query_tiles(block, device, lo, hi)
+    return (tiles.shape[0], H), (tiles, varlen.cu(device), varlen.cu_keys(device, stride, offset))

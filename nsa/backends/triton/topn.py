@@ -25,13 +25,14 @@ def _free(j, last, nb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
 
 @triton.jit
 def _topn_kernel(
-    SC, IDX, n_rows, ssc_b, sidx_b, nb, t0,
+    SC, IDX, POS, n_rows, ssc_b, sidx_b, nb, t0,
     H: tl.constexpr, NBP: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr, N_INIT: tl.constexpr,
-    N_LOCAL: tl.constexpr, L_SEL: tl.constexpr, RB: tl.constexpr, SEG: tl.constexpr,
+    N_LOCAL: tl.constexpr, L_SEL: tl.constexpr, RB: tl.constexpr, SEG: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Eqs. 11-12 with forcing. Batch b = program_id(1); its rows r = (position, head) of a
     [rows, nb] float32 score slice (``ssc_b`` elements apart per batch) -> [rows, N_SEL] ascending
-    indices, -1 padded (``sidx_b`` apart); row r sits at position t0 + r // H. Only columns < NBP are
+    indices, -1 padded (``sidx_b`` apart); row r sits at position t0 + r // H (VARLEN, packed
+    documents: at POS[r // H], its position in its document; else POS is None). Only columns < NBP are
     read: the launcher picks NBP >= the candidate count (t // L_SEL + 1) of every row. Order of
     ``reference.select_blocks``: by score, ties to the lower index.
 
@@ -46,7 +47,10 @@ def _topn_kernel(
     b = tl.program_id(1).to(tl.int64)
     r = pid * RB + tl.arange(0, RB)
     r_ok = r < n_rows
-    t = t0 + r // H
+    if VARLEN:
+        t = tl.load(POS + r // H, mask=r_ok, other=0)
+    else:
+        t = t0 + r // H
     last = t // L_SEL
     row = SC + b * ssc_b + r.to(tl.int64) * nb  # [RB] row pointers
     j = tl.arange(0, NBP)
@@ -99,26 +103,38 @@ def topn_rows(width, n_sel, tune):
     return max(1, min(tune["elems"] // width, 4096 // p2(n_sel) ** 2))
 
 
-def topn_launch(sc, out, t0, nb, config):
+def _ranges(c, t0, nb, l_sel):
+    """(p0, p1, width): positions t0+p0 .. t0+p1-1 whose candidate count (t // l_sel + 1) fits the power
+    of two ``width`` (at most p2(nb))."""
+    p0 = 0
+    while p0 < c:
+        width = p2(min(nb, (t0 + p0) // l_sel + 1))
+        # last position whose candidate count still fits ``width`` (or the end)
+        p1 = c if width >= p2(nb) else min(c, width * l_sel - t0)
+        yield p0, p1, width
+        p0 = p1
+
+
+def topn_launch(sc, out, t0, nb, config, pos=None):
     """Top-n (``_topn_kernel``) of a ``[B, c, H, nb]`` float32 score buffer whose position p sits at
     t0 + p, into ``out [B, c, H, n_sel]``. Positions are cut into ranges whose candidate count
     (t // l_sel + 1) fits the same power of two, and each range reads only that many columns: at 64k,
-    about 2/3 of the score columns are never read (non-candidates of early rows)."""
+    about 2/3 of the score columns are never read (non-candidates of early rows). ``pos`` (packed
+    documents, B = 1): int32 ``[c]``, each row's position in its document (t0 unused); nb must cover
+    the longest document, and one launch reads p2(nb) columns of every row."""
     B, c, H = sc.shape[:3]
     tune = tuning.params("topn", sc.device)
-    if c and (t0 + c - 1) // config.l_sel + 1 > nb:
+    if pos is None and c and (t0 + c - 1) // config.l_sel + 1 > nb:
         raise ValueError(f"topn_launch: nb={nb} score columns, but position {t0 + c - 1} has "
                          f"{(t0 + c - 1) // config.l_sel + 1} candidate blocks (need nb >= t // l_sel + 1)")
-    p0 = 0
-    while B and p0 < c:
-        width = p2(min(nb, (t0 + p0) // config.l_sel + 1))
-        # last position whose candidate count still fits ``width`` (or the end)
-        p1 = c if width >= p2(nb) else min(c, width * config.l_sel - t0)
+    if B == 0 or c == 0:
+        return
+    for p0, p1, width in _ranges(c, t0, nb, config.l_sel) if pos is None else [(0, c, p2(nb))]:
         rb = topn_rows(width, config.n_sel, tune)
         rows = (p1 - p0) * H
         _topn_kernel[(triton.cdiv(rows, rb), B)](
-            sc[:, p0:], out[:, p0:], rows, sc.stride(0), out.stride(0), nb, t0 + p0,
+            sc[:, p0:], out[:, p0:], pos, rows, sc.stride(0), out.stride(0), nb, t0 + p0,
             H=H, NBP=width, N_SEL=config.n_sel, NSP=p2(config.n_sel), N_INIT=config.n_init,
-            N_LOCAL=config.n_local, L_SEL=config.l_sel, RB=rb, SEG=min(TOPN_SEG, width), num_warps=tune["warps"],
+            N_LOCAL=config.n_local, L_SEL=config.l_sel, RB=rb, SEG=min(TOPN_SEG, width), VARLEN=pos is not None,
+            num_warps=tune["warps"],
         )
-        p0 = p1

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import geometry, key_range, load_head_rows, load_rows, query_rows, store_head_rows, visible
+from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
+                    visible)
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
 
 
@@ -43,20 +44,24 @@ def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, 
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, LSE, SC,
+    Q, K, V, Out, LSE, SC, TILES, CU_Q, CU_K,
     sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h, ssc_b, ssc_t, ssc_h,
     N, Tq, q_start, m_begin, m_end, nb, scale_log2,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
-    WINDOW: tl.constexpr, PREC: tl.constexpr,
+    WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """o_win [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2) of queries [m_begin, m_end).
+    """o_win [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2) of queries [m_begin, m_end). VARLEN: packed
+    documents (B = 1; TILES, CU_Q = CU_K = cu_seqlens, see ``tiles.doc_rows``); else those are None.
 
     SC, ssc_b, ssc_t, ssc_h, nb are unused (the compressed forward's score buffer): they are kept
     because the parameter list changes the machine code. Without them LLVM orders the prologue's
     loads differently and ptxas allocates registers differently (sm_90: other SASS at Dk 128 and
     192, one register less at 192), so dropping them is a change to measure on the GPU first."""
-    b, h, m0, m, t, head, row_ok = query_rows(q_start, m_begin, m_end, H, G, GP, BLOCK_M)
+    # VARLEN: the window stops at the document's first token (keys before it are not in its stream)
+    b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
+        Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
+        VARLEN)
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
@@ -92,8 +97,8 @@ def _fwd_kernel(
     tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
 
 
-def _forward(q, k, v, w, *, scale, q_start, tune):
-    """o [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2)."""
+def _forward(q, k, v, w, *, scale, q_start, tune, varlen=None):
+    """o [B,Tq,HQ,Dv] and lse [B,HQ,Tq] (base 2); ``varlen``: packed documents (B = 1)."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     geo = geometry(HQ, H, Dk, Dv, tune["rows"])
@@ -105,10 +110,12 @@ def _forward(q, k, v, w, *, scale, q_start, tune):
         num_warps=4, num_stages=tune["stages"])
     nstep = tune["block_n"]
     if B and Tq:
-        _fwd_kernel[(triton.cdiv(Tq, geo["BLOCK_M"]), B * H)](
-            q, k, v, o, lse, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+        grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq)
+        _fwd_kernel[grid](
+            q, k, v, o, lse, lse, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             *lse.stride(), N, Tq, q_start, 0, Tq, 0, scale * LOG2E,
-            **geo, BLOCK_N=p2(nstep), NSTEP=nstep, WINDOW=w, PREC=dot_precision(q.dtype), **launch,
+            **geo, BLOCK_N=p2(nstep), NSTEP=nstep, WINDOW=w, PREC=dot_precision(q.dtype), VARLEN=varlen is not None,
+            **launch,
         )
     return o, lse
 
@@ -117,20 +124,22 @@ class WindowAttention(torch.autograd.Function):
     """Sliding-window attention (u in [t-w+1, t]) over raw keys/values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, w, scale, q_start):
+    def forward(ctx, q, k, v, w, scale, q_start, varlen=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.params("window", q.device))
+        o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.params("window", q.device),
+                          varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = dict(scale=scale, q_start=q_start, stride=1, offset=0, window=w,
-                        tune=tuning.params("attention_bwd", q.device))
+                        tune=tuning.params("attention_bwd", q.device), varlen=varlen)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, **ctx.geom)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def sliding_window_attention(q, k_win, v_win, config, *, scale=None, q_start: int = 0):
-    return WindowAttention.apply(q, k_win, v_win, int(config.w), default_scale(q, scale), int(q_start))
+def sliding_window_attention(q, k_win, v_win, config, *, scale=None, q_start: int = 0, varlen=None):
+    """``varlen``: packed documents (a ``nsa.varlen.Varlen``, B = 1)."""
+    return WindowAttention.apply(q, k_win, v_win, int(config.w), default_scale(q, scale), int(q_start), varlen)
