@@ -8,11 +8,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import nsa
-from experiments import common, hardware
+from experiments.framework import config, hardware
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ENTRIES = ("decode", "prefill", "parity")
-GROUPS = common.groups()
+GROUPS = config.groups()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,8 +40,8 @@ def test_every_entry_composes_and_validates(entry):
     cfg = _compose(entry, hydra_cfg=True)
     raw = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert raw["job"]["chdir"] is False and raw["run"]["dir"].startswith("outputs/")
-    assert raw["sweep"]["dir"].startswith("outputs/") and raw["callbacks"]["mlflow"]["_target_"].endswith("TrackingCallback")
-    job = common.prepare(cfg, entry)
+    assert raw["sweep"]["dir"].startswith("outputs/") and raw["sweeper"]["_target_"].endswith("NSASweeper")
+    job = config.prepare(cfg, entry)
     assert job.profile.name == "cpu" and job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
 
 
@@ -55,7 +55,7 @@ def test_every_group_option_composes(group, option):
     assert cfg[group] is not None
     if group == "backend" and option not in ("reference", "auto"):
         return  # resolves, but the GPU backends may be unavailable here: checked when a job runs
-    job = common.prepare(cfg, entry)
+    job = config.prepare(cfg, entry)
     assert job.seq == cfg.seq and isinstance(job.nsa, nsa.NSAConfig)
 
 
@@ -80,17 +80,18 @@ def test_hardware_profiles():
         hardware.resolve_profile(hardware.load_profile("h200"), dev)
 
 
-def test_rtx4090_policy_keeps_triton_selection_off_unless_forced():
+def test_rtx4090_policy_keeps_triton_selection_off_unless_forced(monkeypatch):
+    monkeypatch.setattr(config, "check_backends", lambda *a: None)  # the policy, whatever runs on this machine
     base = ["hardware=rtx4090", "hardware.strict=false", "backend=triton"]
-    job = common.prepare(_compose("decode", base), "decode")
+    job = config.prepare(_compose("decode", base), "decode")
     assert job.plan == {"cmp": "triton", "sel": "reference", "win": "triton"}
     assert len(job.policy_notes) == 1 and "sel: triton -> reference" in job.policy_notes[0]
-    job = common.prepare(_compose("decode", base + ["hardware.policy.force=true"]), "decode")
+    job = config.prepare(_compose("decode", base + ["hardware.policy.force=true"]), "decode")
     assert job.plan["sel"] == "triton" and not job.policy_notes
 
 
 def test_backend_auto_takes_the_profile_preference():
-    job = common.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
+    job = config.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
     assert job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
 
 
@@ -121,15 +122,6 @@ def test_models():
     (["dtype=float8"], "dtype='float8'"),
 ])
 def test_bad_configs_raise_one_line(over, needle):
-    with pytest.raises(common.ConfigError) as e:
-        common.prepare(_compose("decode", over), "decode")
+    with pytest.raises(config.ConfigError) as e:
+        config.prepare(_compose("decode", over), "decode")
     assert needle in str(e.value) and "\n" not in str(e.value)
-
-
-def test_precheck_rejects_unknown_group_options(capsys):
-    with pytest.raises(SystemExit) as e:
-        common.precheck_argv(["seq=64", "backend=reference,nope"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend=nope" in err[0]
-    common.precheck_argv(["backend=triton", "-m", "seq=1,2"])  # known options pass
