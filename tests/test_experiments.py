@@ -216,3 +216,33 @@ def test_prefill_dense_variants():
     assert dense_variants(False, same, "cuda") == (["dense"], {})
     names, tags = dense_variants(True, paper, "cuda")
     assert names == ["dense"] and "d_k == d_v (got 24/16)" in tags["dense_flash"]
+
+
+def test_sweep_first_look_in_mlflow(runs):
+    """What the MLflow UI shows first (issue 18 item 5), and the job logs and timings (items 6, 8)."""
+    import re
+
+    tmp, rc, out, err = runs["sweep"]
+    assert rc == 0, err[-3000:]
+    c, rs = _runs(tmp, "decode")
+    parent = next(r for r in rs if "mlflow.parentRunId" not in r.data.tags)
+    kids = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
+    exp = c.get_experiment(parent.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the runs view, not GenAI traces
+    for r in kids:
+        assert min(r.data.metrics).startswith("0_") and len(r.data.metrics) <= 10  # headline first, no 57 charts
+        assert (r.data.params["backend"], r.data.params["model"]) == ("reference", "tiny")  # the group choices
+        assert int(r.data.params["decode.repeats"]) > 5  # the tiny model's p50 from more than 5 samples
+        assert "config.yaml" in _artifacts(c, r.info.run_id)
+    # The parent's own charts are the sweep's lines: one metric per (column, variant), stepped by seq.
+    for key in ("p50_ms/nsa", "p50_ms/dense", "speedup_vs_dense_x/nsa", "speedup_vs_dense_x/sel"):
+        assert sorted(m.step for m in c.get_metric_history(parent.info.run_id, key)) == [72, 128], key
+    assert "speedup_vs_dense_x/dense" not in parent.data.metrics  # dense vs itself means nothing
+    # sweep_wall_s is the time the console reports
+    said = float(re.search(r"sweep FINISHED: 2 jobs, 0 failed, ([\d.]+) s", err).group(1))
+    assert round(parent.data.metrics["sweep_wall_s"], 1) == said
+    # Per-job logs through logging: Hydra's <entry>.log of each job holds its lines.
+    (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")
+    for job_dir in sweep_dir.glob("*_seq*"):
+        text = (job_dir / "decode.log").read_text()
+        assert "[decode] seq=" in text and "FINISHED in" in text

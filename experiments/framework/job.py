@@ -97,18 +97,13 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
     parent = cfg.tracking.get("parent_run_id")
     try:
         job = prepare(cfg, entry)
+        store = tracking.connect(job.cfg.tracking, entry, launch_dir)
     except ConfigError as e:
-        if parent is None:
+        if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
                 _remove_empty_output_dir(hc)
             cli.config_exit(str(e))
         return _failed_validation(cfg, entry, launch_dir, parent, key, e)
-    try:
-        store = tracking.connect(job.cfg.tracking, entry, launch_dir)
-    except ConfigError as e:
-        if parent is None:
-            cli.config_exit(str(e))
-        raise
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
     name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
     rid = tracking.start_run(store, name, parent, {"sweep_job": json.dumps(key)})

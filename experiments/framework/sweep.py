@@ -222,9 +222,10 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     series = []
     if charts and rows:
         data = report.lines(rows, charts)
-        report.plot(data, charts.x, sweep_dir / f"{entry}_vs_seq.png", entry)
-        artifacts.append(sweep_dir / f"{entry}_vs_seq.png")
         series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
+        if len({x for _, _, x in series}) > 1:  # a curve needs two x values
+            report.plot(data, charts.x, sweep_dir / f"{entry}_vs_seq.png", entry)
+            artifacts.append(sweep_dir / f"{entry}_vs_seq.png")
     wall = time.perf_counter() - t0
     heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
     text = report.table(["#", *(keys or ["job"]), "status", *(h[len(HEADLINE):] for h in heads), "run id"], [

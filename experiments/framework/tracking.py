@@ -162,7 +162,7 @@ def _experiment(client, uri: str, name: str, root: str | None) -> str:
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
-    if "mlflow.experimentKind" not in exp.tags:
+    if "mlflow.experimentKind" not in exp.tags and exp.lifecycle_stage == "active":
         client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
     return exp.experiment_id
 
