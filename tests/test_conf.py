@@ -113,15 +113,32 @@ def test_models():
         (64, 4, 192, 128, 32, 16, 64, 16, 512)
 
 
-@pytest.mark.parametrize("over,needle", [
-    (["model.nsa.l=20"], "NSAConfig.l=20"),
-    (["seq=0"], "seq=0"),
-    (["backend.sel=foo"], "backend.sel='foo'"),
-    (["backend.fallback=foo"], "backend.fallback='foo'"),
-    (["hardware=h200"], "hardware=h200 does not match"),
-    (["dtype=float8"], "dtype='float8'"),
+@pytest.mark.parametrize("entry,over,needle", [
+    ("decode", ["model.nsa.l=20"], "NSAConfig.l=20"),
+    ("decode", ["seq=0"], "seq=0"),
+    ("decode", ["backend.sel=foo"], "backend.sel='foo'"),
+    ("decode", ["backend.fallback=foo"], "backend.fallback='foo'"),
+    ("decode", ["hardware=h200"], "hardware=h200 does not match"),
+    ("decode", ["dtype=float8"], "dtype='float8'"),
+    ("decode", ["limits.max_memory_gib=-1"], "limits.max_memory_gib=-1: must be a number > 0"),
+    ("decode", ["decode.repeats=0"], "decode.repeats=0: must be an integer >= 1"),
+    ("prefill", ["prefill.backward=maybe"], "prefill.backward='maybe': must be true or false"),
+    ("parity", ["parity.batch=0"], "parity.batch=0: must be an integer >= 1"),
+    ("parity", ["parity.ref_dtype=nosuch"], "parity.ref_dtype='nosuch': one of float64"),
+    ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a number >= 0"),
+    ("parity", ["~parity.batch"], "parity.batch: missing"),
 ])
-def test_bad_configs_raise_one_line(over, needle):
+def test_bad_configs_raise_one_line(entry, over, needle):
     with pytest.raises(config.ConfigError) as e:
-        config.prepare(_compose("decode", over), "decode")
+        config.prepare(_compose(entry, over), entry)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_backend_that_cannot_run_here_is_a_config_error(monkeypatch):
+    """Each backend's own availability check, at validation: triton on a CPU needs the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(config.ConfigError, match=r"backend.cmp=triton: .*TRITON_INTERPRET=1"):
+        config.prepare(_compose("decode", ["backend=triton"]), "decode")
+    # Only the branches a job runs: branch_force=win times the window, and decode scores with cmp.
+    over = ["backend=triton", "branch_force=win", "backend.cmp=reference", "backend.win=reference"]
+    assert config.prepare(_compose("decode", over), "decode").plan["sel"] == "triton"

@@ -243,6 +243,6 @@ def test_sweep_first_look_in_mlflow(runs):
     assert round(parent.data.metrics["sweep_wall_s"], 1) == said
     # Per-job logs through logging: Hydra's <entry>.log of each job holds its lines.
     (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")
-    for job_dir in sweep_dir.glob("*_seq*"):
+    for job_dir in (d for d in sweep_dir.glob("*_seq*") if d.is_dir()):
         text = (job_dir / "decode.log").read_text()
         assert "[decode] seq=" in text and "FINISHED in" in text

@@ -130,19 +130,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
                     **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
                     "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
                     "fallbacks": "; ".join(rec.fallbacks) or "none"})
-        metrics = {**res.metrics, **{HEADLINE + k: v for k, v in res.headline.items()},
-                   "seq": float(job.seq), "measured_work_s": work_s}
-        tags = {**res.tags, **({"charts": res.charts.to_tag()} if res.charts else {})}
-        tracking.log_batch(client, rid, metrics=metrics, step=job.seq, tags=tags)
-        for path, text in res.texts.items():
-            client.log_text(rid, text, path)
-        out = Path(hc.runtime.output_dir) if hc else Path.cwd()
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / f"{entry}.csv", res.rows)
-        client.log_artifact(rid, str(out / f"{entry}.csv"))
-        client.log_text(rid, OmegaConf.to_yaml(job.cfg, resolve=True), "config.yaml")
-        client.log_dict(rid, {**tracking.environment(job.dev), "hardware_profile": OmegaConf.to_container(job.profile),
-                              "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
+        _log_result(client, rid, job, res, work_s, Path(hc.runtime.output_dir) if hc else Path.cwd())
         if res.failure:
             raise JobFailure(res.failure)
         status = "FINISHED"
@@ -168,6 +156,23 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
     if status != "FINISHED" and parent is None:
         raise SystemExit(1)
+
+
+def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Path) -> None:
+    """Metrics (step = seq), tags, texts, the CSV (also written to the job's output dir), the resolved
+    config and the environment, on the job's run."""
+    metrics = {**res.metrics, **{HEADLINE + k: v for k, v in res.headline.items()},
+               "seq": float(job.seq), "measured_work_s": work_s}
+    tags = {**res.tags, **({"charts": res.charts.to_tag()} if res.charts else {})}
+    tracking.log_batch(client, rid, metrics=metrics, step=job.seq, tags=tags)
+    for path, text in res.texts.items():
+        client.log_text(rid, text, path)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / f"{job.entry}.csv", res.rows)
+    client.log_artifact(rid, str(out / f"{job.entry}.csv"))
+    client.log_text(rid, OmegaConf.to_yaml(job.cfg, resolve=True), "config.yaml")
+    client.log_dict(rid, {**tracking.environment(job.dev), "hardware_profile": OmegaConf.to_container(job.profile),
+                          "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
 
 
 def _failed_validation(cfg, entry, launch_dir, parent, key, e: ConfigError) -> None:

@@ -189,68 +189,85 @@ def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]
     return rid, [ov for ov in jobs if frozenset(job_key(ov)) not in done]
 
 
-def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
-            t0: float) -> None:
-    """The sweep's results from the store: per job its latest child run; the sweep CSV, charts (image
-    and metrics stepped by x), summary table; the parent ends FINISHED, or FAILED with the counts."""
-    client = store.client
+def _latest(store, parent: str, jobs: list[list[str]]) -> list:
+    """Per job, its latest child run of ``parent`` in the store (None: it never started)."""
     latest: dict[frozenset, object] = {}
-    for r in sorted(tracking.children(client, store.experiment_id, parent), key=lambda r: r.info.start_time):
+    for r in sorted(tracking.children(store.client, store.experiment_id, parent), key=lambda r: r.info.start_time):
         latest[frozenset(json.loads(r.data.tags.get("sweep_job", "[]")))] = r
-    runs = [latest.get(frozenset(job_key(ov))) for ov in jobs]
+    return [latest.get(frozenset(job_key(ov))) for ov in jobs]
+
+
+def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str]) -> tuple[list[dict], object]:
+    """The jobs' CSV rows from their runs' artifacts (with job_overrides, job_status, run_id, and the
+    ``_series`` the charts tell lines apart by), and the charts the jobs named. Each child is renamed
+    after the values that vary in the sweep."""
+    from mlflow.exceptions import MlflowException
+
     rows, charts = [], None
     with tempfile.TemporaryDirectory() as tmp:
         for ov, r in zip(jobs, runs):
             if r is None:
                 continue
-            client.set_tag(r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
+            store.client.set_tag(r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
             try:
-                got = report.read_csv(Path(client.download_artifacts(r.info.run_id, f"{entry}.csv", tmp)))
-            except Exception:  # noqa: BLE001  (a job that failed before writing its CSV)
+                got = report.read_csv(Path(store.client.download_artifacts(r.info.run_id, f"{entry}.csv", tmp)))
+            except (MlflowException, OSError):  # a job that failed before writing its CSV
                 got = []
-            extra = " ".join(o for o in ov if o.partition("=")[0] in keys and o.partition("=")[0] != "seq")
+            series = " ".join(o for o in ov if o.partition("=")[0] in keys and o.partition("=")[0] != "seq")
             rows += [{"job_overrides": " ".join(ov), "job_status": r.info.status, "run_id": r.info.run_id, **row,
-                      "_series": extra} for row in got]
-            charts = charts or (report.Charts.from_tag(r.data.tags["charts"]) if "charts" in r.data.tags else None)
-    bad = [(ov, r) for ov, r in zip(jobs, runs) if r is None or r.info.status != "FINISHED"]
-    overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
-    status = "FAILED" if bad else "FINISHED"
-    artifacts = []
+                      "_series": series} for row in got]
+            if charts is None and "charts" in r.data.tags:
+                charts = report.Charts.from_tag(r.data.tags["charts"])
+    return rows, charts
+
+
+def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
+    """The summary: per job the values that vary, status, headline metrics, run id."""
+    heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
+    return report.table(["#", *(keys or ["job"]), "status", *(h[len(HEADLINE):] for h in heads), "run id"], [
+        [str(i), *([o.partition("=")[2] for o in ov if o.partition("=")[0] in keys] if keys else [label(ov, keys)]),
+         r.info.status if r else "not run", *(report.fmt(r.data.metrics.get(h, "")) if r else "" for h in heads),
+         r.info.run_id if r else ""] for i, (ov, r) in enumerate(zip(jobs, runs))])
+
+
+def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
+            t0: float) -> None:
+    """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
+    parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1)."""
+    runs = _latest(store, parent, jobs)
+    rows, charts = _rows(store, entry, jobs, runs, keys)
+    artifacts, series = [], []
     if rows:
         report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
         artifacts.append(sweep_dir / f"{entry}_sweep.csv")
-    series = []
     if charts and rows:
         data = report.lines(rows, charts)
         series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
         if len({x for _, _, x in series}) > 1:  # a curve needs two x values
             report.plot(data, charts.x, sweep_dir / f"{entry}_vs_seq.png", entry)
             artifacts.append(sweep_dir / f"{entry}_vs_seq.png")
-    wall = time.perf_counter() - t0
-    heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
-    text = report.table(["#", *(keys or ["job"]), "status", *(h[len(HEADLINE):] for h in heads), "run id"], [
-        [str(i), *([o.partition("=")[2] for o in ov if o.partition("=")[0] in keys] if keys else [label(ov, keys)]),
-         r.info.status if r else "not run", *(report.fmt(r.data.metrics.get(h, "")) if r else "" for h in heads),
-         r.info.run_id if r else ""] for i, (ov, r) in enumerate(zip(jobs, runs))])
+    text = _table(jobs, runs, keys)
     (sweep_dir / "summary.txt").write_text(text + "\n")
     artifacts.append(sweep_dir / "summary.txt")
+    bad = [(ov, r) for ov, r in zip(jobs, runs) if r is None or r.info.status != "FINISHED"]
+    status = "FAILED" if bad else "FINISHED"
+    overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
     mean_ov, max_ov = sum(overheads) / max(1, len(overheads)), max(overheads, default=0.0)
+    wall = time.perf_counter() - t0  # the figure the console reports, too
     try:
-        tracking.log_batch(client, parent, metrics={
+        tracking.log_batch(store.client, parent, metrics={
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov})
-        tracking.log_series(client, parent, series)
+        tracking.log_series(store.client, parent, series)
         for a in artifacts:
-            client.log_artifact(parent, str(a))
+            store.client.log_artifact(parent, str(a))
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
             f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else "not run") for ov, r in bad)
-        tracking.end_run(client, parent, status, error if bad else None)
+        tracking.end_run(store.client, parent, status, error if bad else None)
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
-    print(text)
-    print(f"outputs: {sweep_dir}")
-    print(f"MLflow:  {store.ui_hint()}")
+    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
     if bad:
         print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "
               f"hydra.sweeper.resume={parent}")
