@@ -20,6 +20,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from hydra.errors import HydraException
@@ -128,16 +129,17 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
     extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+    returns, failure = [], None
     try:
         returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
     except KeyboardInterrupt as e:
         tracking.end_run(store.client, parent, "KILLED", cli.interrupt_reason(e))
         cli.note_closed(e, parent)
         raise
-    except BaseException as e:
-        tracking.end_run(store.client, parent, "FAILED", f"the launcher failed: {type(e).__name__}: {one_line(e)}")
-        raise
-    _finish(store, parent, entry, jobs, keys, sweep_dir, t0)
+    except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
+        failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
+        say(traceback.format_exc().rstrip())
+    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure)
     return returns
 
 
@@ -231,9 +233,15 @@ def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
 
 
 def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
-            t0: float) -> None:
+            t0: float, failure: str | None = None) -> None:
     """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
-    parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1)."""
+    parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
+    has returned, so a child still RUNNING lost its process (e.g. killed by a scheduler): it ends FAILED."""
+    runs = _latest(store, parent, jobs)
+    for r in runs:
+        if r is not None and r.info.status == "RUNNING":
+            tracking.end_run(store.client, r.info.run_id, "FAILED",
+                             failure or "the job ended without ending its run (its process was killed?)")
     runs = _latest(store, parent, jobs)
     rows, charts = _rows(store, entry, jobs, runs, keys)
     artifacts, series = [], []
@@ -264,11 +272,13 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
             f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else "not run") for ov, r in bad)
-        tracking.end_run(store.client, parent, status, error if bad else None)
+        if failure:
+            status, error = "FAILED", f"{failure}; {error}"
+        tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
-    if bad:
+    if status == "FAILED":
         print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "
               f"hydra.sweeper.resume={parent}")
         raise SystemExit(1)
