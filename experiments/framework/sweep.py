@@ -157,13 +157,15 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
                  "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
                  "sweep_command": " ".join(["python", "-m", f"experiments.{entry}", *sys.argv[1:]])})
     name = f"{entry} sweep " + " ".join(f"{k}={','.join(v)}" for k, v in values.items())
+    from mlflow.exceptions import MlflowException
+
     try:
         rid = tracking.start_run(store, name, None, {"sweep": "parent"})
-    except Exception as e:  # noqa: BLE001  (no parent: the sweep must not start)
+    except (MlflowException, OSError) as e:  # no parent: the sweep must not start
         cli.config_exit(f"tracking store {store.uri}: cannot create the sweep's parent run: {one_line(e)}")
     try:
         tracking.log_batch(store.client, rid, params=params, tags=tags)
-    except Exception as e:  # noqa: BLE001
+    except (MlflowException, OSError) as e:
         tracking.end_run(store.client, rid, "FAILED", f"could not log the sweep's parameters: {one_line(e)}")
         cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {one_line(e)}")
     return rid
