@@ -1,7 +1,8 @@
 """Decode benchmark: one step at context length seq, per branch, vs dense SDPA decode.
 
-    python -m experiments.decode -m seq_len=tiny            # CPU sweep (quickstart)
-    python -m experiments.decode -m seq_len=smoke model=bench4090 hardware=rtx4090 backend=triton
+    python -m experiments.decode hardware=cpu -m seq=256,512                 # a CPU sweep
+    python -m experiments.decode hardware=rtx4090 -m seq=512,1024,2048,4096  # on an RTX 4090
+    python -m experiments.decode -m seq=256,512 --cfg job                    # each job's config, no run
 
 The cache is filled with seq-1 tokens (the layer's projected and compressed keys/values, written
 chunk by chunk, exactly what a prefill leaves there); the timed step is the query at position
@@ -18,6 +19,8 @@ batch and groups), beside the paper's formula; bytes are summed over batch and g
 """
 from __future__ import annotations
 
+import logging
+
 import hydra
 import torch
 from omegaconf import DictConfig
@@ -25,12 +28,14 @@ from omegaconf import DictConfig
 from nsa import NSAAttention
 from nsa.decode import GraphDecoder
 
-from . import common, measure
+from . import measure
+from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BRANCHES = ("cmp", "sel", "win")
+log = logging.getLogger("experiments.decode")
 
 
-def estimate_bytes(job: common.Job) -> float:
+def estimate_bytes(job: Job) -> float:
     """Rough tensor memory: the cache (three branches' raw keys/values, +10 % compressed) and one
     fill chunk's activations (input, queries, six key/value projections, about twice over)."""
     c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
@@ -40,9 +45,9 @@ def estimate_bytes(job: common.Job) -> float:
     return float(cache + chunk)
 
 
-def work(job: common.Job) -> common.Result:
+def work(job: Job) -> Result:
     d, c, S = job.cfg.decode, job.nsa, job.seq
-    common.check_memory(job, estimate_bytes(job))
+    check_memory(job, estimate_bytes(job))
     B, dev, dt = d.batch, job.device, job.dtype
     bw, branch = float(job.profile.peak_hbm_gbps), job.branch
     elem = torch.empty((), dtype=dt).element_size()
@@ -56,7 +61,7 @@ def work(job: common.Job) -> common.Result:
     timed = ["layer", "nsa"] + (["cmp", "sel", "win"] if branch == "none" and d.per_branch else []) + ["dense"]
 
     def progress(i, name, q):
-        common.say(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
+        log.info(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
 
     with torch.no_grad():
         cache = layer.new_cache(B, S, dev, dt)
@@ -142,20 +147,20 @@ def work(job: common.Job) -> common.Result:
             "kv_gb_per_s": gbps,
             "kv_bw_roofline_pct": 100.0 * gbps / bw,
             "hbm_floor_ms": kv_bytes / (bw * 1e9) * 1e3,
-            "speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"],
+            **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
         }
         rows.append(row)
-        for k in ("p20_ms", "p50_ms", "p80_ms", "kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step",
-                  "kv_gb_per_s", "kv_bw_roofline_pct", "speedup_vs_dense_x"):
-            metrics[f"{v}_{k}"] = row[k]
-        metrics[f"{v}_kv_tokens_formula_per_step_per_group"] = formula
-    return common.Result(rows, metrics, plot=("seq_tokens", "p50_ms", "variant"))
+    by = {r["variant"]: r for r in rows}
+    headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
+                "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
+                "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
+    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")))
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    common.run_job(cfg, "decode", work)
+    run_job(cfg, "decode", work)
 
 
 if __name__ == "__main__":
-    common.launch(main)
+    launch(main, "decode")

@@ -1,7 +1,7 @@
 """Parity: each configured backend against the reference, output and every input gradient.
 
-    python -m experiments.parity backend=triton            # GPU: bf16 under test, fp32-upcast reference
-    python -m experiments.parity -m seq=64,128,256         # CPU: float32 under test, float64 reference
+    python -m experiments.parity -m seq=64,128                 # CPU: float32 under test, float64 reference
+    python -m experiments.parity backend=triton seq=8192       # GPU: bf16 under test, fp32-upcast reference
 
 Random inputs in the tested dtype; the reference sees the same values upcast (float64 on CPU,
 float32 on GPU; parity.ref_dtype overrides). The selected branch of both sides uses the
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
+import logging
+
 import hydra
 import torch
 from omegaconf import DictConfig
@@ -23,12 +25,14 @@ from omegaconf import DictConfig
 from nsa import dispatch, functional, reference
 from nsa.backends.triton import poisoned_outputs
 
-from . import common
+from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .framework.config import DTYPES
 
 TENSORS = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
+log = logging.getLogger("experiments.parity")
 
 
-def estimate_bytes(job: common.Job) -> float:
+def estimate_bytes(job: Job) -> float:
     c, B, S = job.nsa, job.cfg.parity.batch, job.seq
     # Inputs, outputs and gradients in the reference dtype (at most fp64) and the dtype under test; the
     # reference's gathers and scores live one query chunk at a time (nsa.reference._CHUNK_BYTES, a few
@@ -88,10 +92,10 @@ def near_ties(ref, idx_ref, idx_test, c, scale, rel_tol, max_rows):
     return len(diff), bad
 
 
-def work(job: common.Job) -> common.Result:
+def work(job: Job) -> Result:
     p, c, S, dev, dt = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype
-    common.check_memory(job, estimate_bytes(job))
-    ref_dt = common.DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)
+    check_memory(job, estimate_bytes(job))
+    ref_dt = DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)
     tol = p.tol[job.cfg.dtype]
     B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
     g = torch.Generator(device="cpu").manual_seed(int(job.cfg.seed))
@@ -103,7 +107,7 @@ def work(job: common.Job) -> common.Result:
     test = {n: t.to(dev, dt).requires_grad_(True) for n, t in base.items()}
     ref = {n: t.detach().to(ref_dt).requires_grad_(True) for n, t in test.items()}  # same values, upcast
     scale = Dk ** -0.5
-    common.say(f"[parity] seq={S}: reference in {ref_dt}, backends {job.plan} in {dt}")
+    log.info(f"[parity] seq={S}: reference in {ref_dt}, backends {job.plan} in {dt}")
     o_ref, idx_ref = _forward(None, ref, c, job.branch, None, scale, record=False)
     dout = torch.randn(o_ref.shape, generator=g, dtype=torch.float64)
     o_ref.backward(dout.to(dev, ref_dt))
@@ -118,7 +122,7 @@ def work(job: common.Job) -> common.Result:
             with torch.no_grad():
                 o_inf, _ = _forward(job.plan, test, c, job.branch, idx_ref, scale, record=True,
                                     streams=job.cfg.streams)
-    common.say(f"[parity] seq={S}: forward and backward done, comparing {1 + len(TENSORS)} tensors")
+    log.info(f"[parity] seq={S}: forward and backward done, comparing {1 + len(TENSORS)} tensors")
 
     pairs = [("out", o_test.detach(), o_ref.detach())]
     if o_inf is not None:
@@ -161,16 +165,18 @@ def work(job: common.Job) -> common.Result:
             bad.append(f"{not_tie} of {checked} rows with differing indices are not near-ties of the reference scores")
     metrics["parity_failures"] = len(bad)
     for r in rows:
-        common.say(f"[parity] seq={S} {r['tensor']:>12}: " + ("ok  " if r["within_tol"] else "FAIL") + " "
+        log.info(f"[parity] seq={S} {r['tensor']:>12}: " + ("ok  " if r["within_tol"] else "FAIL") + " "
                    + ", ".join(f"{k}={r[k]:.3g}" for k in ("max_abs_err", "rel_l2_err", "index_mismatch_frac") if k in r))
     failure = f"parity: {len(bad)} over tolerance: " + "; ".join(bad) if bad else None
-    return common.Result(rows, metrics, failure=failure, plot=("seq_tokens", "rel_l2_err", "tensor"))
+    errs = [r for r in rows if "rel_l2_err" in r]
+    headline = {"worst_rel_l2_err": max(r["rel_l2_err"] for r in errs), "worst_max_abs_err": max(r["max_abs_err"] for r in errs)}
+    return Result(rows, metrics, headline=headline, failure=failure, charts=Charts("seq_tokens", "tensor", ("rel_l2_err",)))
 
 
 @hydra.main(config_path="../conf", config_name="parity", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    common.run_job(cfg, "parity", work)
+    run_job(cfg, "parity", work)
 
 
 if __name__ == "__main__":
-    common.launch(main)
+    launch(main, "parity")

@@ -1,7 +1,7 @@
 """Prefill benchmark: the attention core's forward and forward+backward vs dense causal SDPA.
 
-    python -m experiments.prefill -m seq_len=tiny
-    python -m experiments.prefill -m seq_len=paper model=h200bench backend=triton
+    python -m experiments.prefill -m seq=64,128
+    python -m experiments.prefill hardware=h200 model=h200bench backend=triton -m seq_len=paper
 
 Queries, keys, values and gates come from an NSAAttention layer on random input (the compression
 phi included), then detached: the timed work is attention only (``measure.core``), like the
@@ -17,18 +17,22 @@ counts 3.5x the forward (backward = 2.5x: the FlashAttention benchmark conventio
 """
 from __future__ import annotations
 
+import logging
+
 import hydra
 import torch
 from omegaconf import DictConfig
 
 from nsa import NSAAttention
 
-from . import common, measure
+from . import measure
+from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BWD_FACTOR = 3.5
+log = logging.getLogger("experiments.prefill")
 
 
-def estimate_bytes(job: common.Job) -> float:
+def estimate_bytes(job: Job) -> float:
     c, B, S = job.nsa, job.cfg.prefill.batch, job.seq
     per_token = c.n_heads * (c.d_k + c.d_v) * 4 + c.n_kv_heads * (c.d_k + c.d_v) * 12 + 4 * c.dim
     return float(B * S * per_token * job.dtype.itemsize)
@@ -44,9 +48,9 @@ def dense_variants(dense_flash: bool, c, device_type: str) -> tuple[list[str], d
     return ["dense", "dense_flash"], {}
 
 
-def work(job: common.Job) -> common.Result:
+def work(job: Job) -> Result:
     p, c, S = job.cfg.prefill, job.nsa, job.seq
-    common.check_memory(job, estimate_bytes(job))
+    check_memory(job, estimate_bytes(job))
     B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
     with torch.no_grad():
@@ -59,7 +63,7 @@ def work(job: common.Job) -> common.Result:
     parts = measure.branch_tokens(c, t_pos, measure.selected_tokens(idx, c, 0))
     dense, tags = dense_variants(p.dense_flash, c, dev.type)
     for note in tags.values():
-        common.say(f"[prefill] seq={S}: {note}")
+        log.info(f"[prefill] seq={S}: {note}")
     timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense
     leaves = list(inp.tensors().values())
 
@@ -69,7 +73,7 @@ def work(job: common.Job) -> common.Result:
                                            kernel="flash" if v == "dense_flash" else "auto")
         return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
 
-    times, rows, metrics, texts = {}, [], {}, {}
+    times, rows, texts = {}, [], {}
     for i, v in enumerate(timed, 1):
         with torch.no_grad():
             fwd = measure.quantiles(measure.time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
@@ -90,7 +94,7 @@ def work(job: common.Job) -> common.Result:
                 texts[f"profile/{v}_fwd.txt"] = measure.profile_table(lambda v=v: run(v), dev)
             if p.backward:
                 texts[f"profile/{v}_fwd_bwd.txt"] = measure.profile_table(fwd_bwd, dev)
-        common.say(f"[prefill] seq={S} [{i}/{len(timed)}] {v}: fwd p50 {tq['fwd_p50_ms']:.3f} ms"
+        log.info(f"[prefill] seq={S} [{i}/{len(timed)}] {v}: fwd p50 {tq['fwd_p50_ms']:.3f} ms"
                    + (f", fwd+bwd p50 {tq['fwd_bwd_p50_ms']:.3f} ms" if p.backward else ""))
 
     peak = float(job.profile.peak_bf16_tflops)
@@ -108,25 +112,29 @@ def work(job: common.Job) -> common.Result:
                "attn_fwd_flop": flop,
                "fwd_tflop_per_s": flop / (q["fwd_p50_ms"] * 1e-3) / 1e12,
                "fwd_tflop_roofline_pct": 100.0 * flop / (q["fwd_p50_ms"] * 1e-3) / 1e12 / peak,
-               **{f"fwd_speedup_vs_{d}_x": times[d]["fwd_p50_ms"] / q["fwd_p50_ms"] for d in dense}}
+               **{f"fwd_speedup_vs_{d}_x": times[d]["fwd_p50_ms"] / q["fwd_p50_ms"] for d in dense if d != v}}
         if p.backward:
             row.update({"attn_fwd_bwd_flop": BWD_FACTOR * flop,
                         "fwd_bwd_tflop_per_s": BWD_FACTOR * flop / (q["fwd_bwd_p50_ms"] * 1e-3) / 1e12,
                         **{f"fwd_bwd_speedup_vs_{d}_x": times[d]["fwd_bwd_p50_ms"] / q["fwd_bwd_p50_ms"]
-                           for d in dense}})
+                           for d in dense if d != v}})
         rows.append(row)
-        for k, x in row.items():
-            if k.endswith(("_ms", "_flop", "_per_s", "_pct", "_x", "_per_group")):
-                metrics[f"{v}_{k}"] = x
     for path, text in texts.items():
-        common.say(f"[prefill] seq={S} {path}:\n{text}")
-    return common.Result(rows, metrics, plot=("seq_tokens", "fwd_p50_ms", "variant"), tags=tags, texts=texts)
+        log.info(f"[prefill] seq={S} {path}:\n{text}")
+    nsa, base = rows[0], rows[timed.index("dense")]
+    timings = ("fwd", "fwd_bwd") if p.backward else ("fwd",)
+    headline = {**{f"nsa_{t}_p50_ms": nsa[f"{t}_p50_ms"] for t in timings},
+                **{f"dense_{t}_p50_ms": base[f"{t}_p50_ms"] for t in timings},
+                **{f"nsa_{t}_speedup_vs_dense_x": nsa[f"{t}_speedup_vs_dense_x"] for t in timings},
+                "nsa_fwd_tflop_per_s": nsa["fwd_tflop_per_s"]}
+    charts = Charts("seq_tokens", "variant", tuple(f"{t}_{y}" for y in ("p50_ms", "speedup_vs_dense_x") for t in timings))
+    return Result(rows, {}, headline=headline, charts=charts, tags=tags, texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    common.run_job(cfg, "prefill", work)
+    run_job(cfg, "prefill", work)
 
 
 if __name__ == "__main__":
-    common.launch(main)
+    launch(main, "prefill")

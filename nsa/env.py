@@ -4,13 +4,17 @@
   Triton's interpreter. Set it before ``import triton``; CI does, for kernel tests at small shapes.
 * ``NSA_TOOLCHAIN`` (:func:`toolchain_id`): id of the torch/triton pairing under test, set by the nox
   sessions (e.g. ``torch2.4+triton3.0``), logged as the run's ``toolchain`` tag.
-* ``MLFLOW_TRACKING_URI`` is read by MLflow itself; the ``tracking`` config group sets the store
-  explicitly instead.
+* ``MLFLOW_TRACKING_URI`` (:func:`mlflow_tracking_uri`): the experiments' tracking store when the
+  ``tracking.uri`` config key is null (as MLflow itself does); ``tracking.uri`` takes precedence.
+* ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (read by MLflow on every
+  request): :func:`limit_mlflow_http` bounds them for this process (a user's own values are kept), and
+  :func:`mlflow_http_probe` sets them briefly for a first, fast check of a tracking server.
 
 Everything else reaches the library as explicit arguments, filled from Hydra configs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -21,3 +25,31 @@ def triton_interpret() -> bool:
 def toolchain_id() -> str:
     """The nox session's pairing id, or "" outside nox (callers then use nsa.toolchain.check_toolchain())."""
     return os.environ.get("NSA_TOOLCHAIN", "")
+
+
+def mlflow_tracking_uri() -> str | None:
+    """MLflow's own variable, or None where it is unset or empty."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def limit_mlflow_http(max_retries: int, timeout_s: int) -> None:
+    """Bound MLflow's HTTP retries for this process unless the user set them (MLflow's defaults retry
+    for minutes against a server that is down)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max_retries))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+
+
+@contextlib.contextmanager
+def mlflow_http_probe(timeout_s: int):
+    """MLflow requests inside this block: no retries, ``timeout_s`` per request."""
+    keys = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s)}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -8,12 +8,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import nsa
-from experiments import common, hardware
+from experiments.framework import config, hardware
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ENTRIES = ("decode", "prefill", "parity")
 TRAIN_GROUPS = ("lm", "attention", "data", "train")  # conf/train.yaml's own groups: tests/test_lm_conf.py composes them
-GROUPS = {g: opts for g, opts in common.groups().items() if g not in TRAIN_GROUPS}
+GROUPS = {g: opts for g, opts in config.groups().items() if g not in TRAIN_GROUPS}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,8 +41,8 @@ def test_every_entry_composes_and_validates(entry):
     cfg = _compose(entry, hydra_cfg=True)
     raw = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert raw["job"]["chdir"] is False and raw["run"]["dir"].startswith("outputs/")
-    assert raw["sweep"]["dir"].startswith("outputs/") and raw["callbacks"]["mlflow"]["_target_"].endswith("TrackingCallback")
-    job = common.prepare(cfg, entry)
+    assert raw["sweep"]["dir"].startswith("outputs/") and raw["sweeper"]["_target_"].endswith("NSASweeper")
+    job = config.prepare(cfg, entry)
     assert job.profile.name == "cpu" and job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
 
 
@@ -56,7 +56,7 @@ def test_every_group_option_composes(group, option):
     assert cfg[group] is not None
     if group == "backend" and option not in ("reference", "auto"):
         return  # resolves, but the GPU backends may be unavailable here: checked when a job runs
-    job = common.prepare(cfg, entry)
+    job = config.prepare(cfg, entry)
     assert job.seq == cfg.seq and isinstance(job.nsa, nsa.NSAConfig)
 
 
@@ -81,17 +81,18 @@ def test_hardware_profiles():
         hardware.resolve_profile(hardware.load_profile("h200"), dev)
 
 
-def test_rtx4090_policy_keeps_triton_selection_off_unless_forced():
+def test_rtx4090_policy_keeps_triton_selection_off_unless_forced(monkeypatch):
+    monkeypatch.setattr(config, "check_backends", lambda *a: None)  # the policy, whatever runs on this machine
     base = ["hardware=rtx4090", "hardware.strict=false", "backend=triton"]
-    job = common.prepare(_compose("decode", base), "decode")
+    job = config.prepare(_compose("decode", base), "decode")
     assert job.plan == {"cmp": "triton", "sel": "reference", "win": "triton"}
     assert len(job.policy_notes) == 1 and "sel: triton -> reference" in job.policy_notes[0]
-    job = common.prepare(_compose("decode", base + ["hardware.policy.force=true"]), "decode")
+    job = config.prepare(_compose("decode", base + ["hardware.policy.force=true"]), "decode")
     assert job.plan["sel"] == "triton" and not job.policy_notes
 
 
 def test_backend_auto_takes_the_profile_preference():
-    job = common.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
+    job = config.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
     assert job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
 
 
@@ -113,24 +114,32 @@ def test_models():
         (64, 4, 192, 128, 32, 16, 64, 16, 512)
 
 
-@pytest.mark.parametrize("over,needle", [
-    (["model.nsa.l=20"], "NSAConfig.l=20"),
-    (["seq=0"], "seq=0"),
-    (["backend.sel=foo"], "backend.sel='foo'"),
-    (["backend.fallback=foo"], "backend.fallback='foo'"),
-    (["hardware=h200"], "hardware=h200 does not match"),
-    (["dtype=float8"], "dtype='float8'"),
+@pytest.mark.parametrize("entry,over,needle", [
+    ("decode", ["model.nsa.l=20"], "NSAConfig.l=20"),
+    ("decode", ["seq=0"], "seq=0"),
+    ("decode", ["backend.sel=foo"], "backend.sel='foo'"),
+    ("decode", ["backend.fallback=foo"], "backend.fallback='foo'"),
+    ("decode", ["hardware=h200"], "hardware=h200 does not match"),
+    ("decode", ["dtype=float8"], "dtype='float8'"),
+    ("decode", ["limits.max_memory_gib=-1"], "limits.max_memory_gib=-1: must be a number > 0"),
+    ("decode", ["decode.repeats=0"], "decode.repeats=0: must be an integer >= 1"),
+    ("prefill", ["prefill.backward=maybe"], "prefill.backward='maybe': must be true or false"),
+    ("parity", ["parity.batch=0"], "parity.batch=0: must be an integer >= 1"),
+    ("parity", ["parity.ref_dtype=nosuch"], "parity.ref_dtype='nosuch': one of float64"),
+    ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a number >= 0"),
+    ("parity", ["~parity.batch"], "parity.batch: missing"),
 ])
-def test_bad_configs_raise_one_line(over, needle):
-    with pytest.raises(common.ConfigError) as e:
-        common.prepare(_compose("decode", over), "decode")
+def test_bad_configs_raise_one_line(entry, over, needle):
+    with pytest.raises(config.ConfigError) as e:
+        config.prepare(_compose(entry, over), entry)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_precheck_rejects_unknown_group_options(capsys):
-    with pytest.raises(SystemExit) as e:
-        common.precheck_argv(["seq=64", "backend=reference,nope"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "backend=nope" in err[0]
-    common.precheck_argv(["backend=triton", "-m", "seq=1,2"])  # known options pass
+def test_a_backend_that_cannot_run_here_is_a_config_error(monkeypatch):
+    """Each backend's own availability check, at validation: triton on a CPU needs the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(config.ConfigError, match=r"backend.cmp=triton: .*TRITON_INTERPRET=1"):
+        config.prepare(_compose("decode", ["backend=triton"]), "decode")
+    # Only the branches a job runs: branch_force=win times the window, and decode scores with cmp.
+    over = ["backend=triton", "branch_force=win", "backend.cmp=reference", "backend.win=reference"]
+    assert config.prepare(_compose("decode", over), "decode").plan["sel"] == "triton"

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import platform
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Order in which hardware=auto tries profiles: specific GPUs first, cpu last.
 AUTO_ORDER = ("h200", "h100", "a100", "rtx4090", "cpu")
 
@@ -35,9 +35,6 @@ class Device:
     def describe(self) -> str:
         cc = f" (SM {self.capability[0]}.{self.capability[1]})" if self.capability else ""
         return f"{self.name}{cc}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 _DETECTED: Device | None = None

@@ -1,0 +1,20 @@
+"""The experiment framework shared by the entry points (decode, prefill, parity), by concern:
+
+* :mod:`.cli`       the command line: argument order, pre-checks, signals, exit codes (``launch``)
+* :mod:`.config`    validation: ``prepare(cfg) -> Job`` or a one-line ``ConfigError``
+* :mod:`.hardware`  device detection and hardware profiles
+* :mod:`.job`       one job's run: ``run_job(cfg, entry, work)``, ``Result``
+* :mod:`.sweep`     a sweep: expansion, validation, parent run, resume, summary from the store
+* :mod:`.tracking`  MLflow: the store (checked, created under a lock), runs, tags, stale runs
+* :mod:`.report`    CSVs, charts, the summary table
+* :mod:`.logs`      console and log-file output
+
+An entry point is a ``work(job) -> Result`` function, a ``@hydra.main`` task that calls
+:func:`run_job`, and ``launch(main, "<entry>")`` as its ``__main__``.
+"""
+from .cli import launch
+from .config import ConfigError, Job, ResourceLimit, check_memory
+from .job import Result, run_job
+from .report import Charts
+
+__all__ = ["Charts", "ConfigError", "Job", "ResourceLimit", "Result", "check_memory", "launch", "run_job"]

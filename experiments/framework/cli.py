@@ -1,0 +1,168 @@
+"""The command line of every entry point: argument order, checks before Hydra starts, signals, exit codes.
+
+``__main__`` of an entry point calls :func:`launch`. Exit codes: 0 all jobs FINISHED; 1 a job
+failed (its run FAILED, the sweep went on); 2 a configuration error (one line, nothing started);
+130 / 143 interrupted by SIGINT / SIGTERM (the runs ended KILLED, one line).
+
+Overrides may stand on both sides of ``-m``: Hydra's argument parser takes them in one place only,
+so :func:`normalize` moves them in front of the flags. Flags that show instead of running (``--help``,
+``--info``) drop ``-m`` and the sweep's lists; ``-m ... --cfg job`` prints each job's config through
+the sweeper (``hydra.sweeper.show``).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from .config import CONF_DIR, groups
+from .logs import say
+
+MULTIRUN = ("-m", "--multirun")
+SHOW_ONLY = ("-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion")
+OTHER_CONFIG = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+
+
+def config_exit(msg: str):
+    say(f"config error: {msg}")
+    raise SystemExit(2)
+
+
+def hydra_message(e: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line errors on one line, without their boilerplate."""
+    skip = ("full_key:", "object_type=", "See https://hydra.cc", "reference_type=")
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith(skip)]
+    return " ".join(" ".join(lines).split())
+
+
+# ================================================================================================
+# Signals: SIGINT and SIGTERM end the runs (KILLED, with the reason) instead of leaving them RUNNING
+# ================================================================================================
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the process is; ``closed`` collects the runs ended on the way out."""
+
+    def __init__(self, signame: str, code: int):
+        super().__init__(signame)
+        self.signame, self.code, self.closed = signame, code, []
+
+
+def interrupt_reason(e: BaseException) -> str:
+    return f"interrupted by {getattr(e, 'signame', 'SIGINT')}"
+
+
+def note_closed(e: BaseException, rid: str) -> None:
+    if isinstance(e, Interrupted):
+        e.closed.append(rid)
+
+
+def _on_signal(signum, _frame):
+    # Closing the runs on the way out must not itself be interrupted by a second Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signal.Signals(signum).name, 128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """In the main thread, where SIGINT/SIGTERM still have Python's defaults (a launcher's own
+    handlers, e.g. submitit's in a SLURM job, are kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) in (default, _on_signal):
+            signal.signal(sig, _on_signal)
+
+
+# ================================================================================================
+# Arguments
+# ================================================================================================
+def _is_override(tok: str) -> bool:
+    return not tok.startswith("-") and ("=" in tok or tok.startswith("~"))
+
+
+def _is_sweep(parser, tok: str) -> bool:
+    try:
+        return parser.parse_override(tok).is_sweep_override()
+    except HydraException:
+        return False  # reported by precheck
+
+
+def normalize(argv: list[str]) -> list[str]:
+    """Overrides first (wherever they stood), then Hydra's flags in their order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [t for t in argv if _is_override(t)]
+    flags = [t for t in argv if not _is_override(t)]
+    if not any(f in MULTIRUN for f in flags):
+        return overrides + flags
+    if any(f in SHOW_ONLY for f in flags):  # help and info describe the config, not a sweep
+        parser = OverridesParser.create()
+        return [o for o in overrides if not _is_sweep(parser, o)] + [f for f in flags if f not in MULTIRUN]
+    for opt in ("-c", "--cfg"):  # -m --cfg job: each job's config, printed by the sweeper
+        if opt in flags:
+            i = flags.index(opt)
+            what = flags[i + 1] if i + 1 < len(flags) else "job"
+            del flags[i:i + 2]
+            overrides.append(f"hydra.sweeper.show={what}")
+    if "--resolve" in flags:
+        flags.remove("--resolve")
+        overrides.append("hydra.sweeper.show_resolve=true")
+    return overrides + flags
+
+
+def precheck(argv: list[str], entry: str) -> None:
+    """Before Hydra: every override parses, group options exist, the config composes with the
+    overrides that are not sweeps (the sweeper checks each job's). One line and exit 2 otherwise."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    known = groups()
+    parser = OverridesParser.create()
+    plain, multirun = [], any(a in MULTIRUN for a in argv)
+    for arg in (a for a in argv if _is_override(a)):
+        try:
+            ov = parser.parse_override(arg)
+        except HydraException as e:
+            config_exit(f"{arg}: {hydra_message(e)}")
+        key = ov.get_key_element().lstrip("+~")
+        vals = list(ov.sweep_string_iterator()) if ov.is_sweep_override() and ov.is_discrete_sweep() else \
+            [ov.get_value_element_as_str()]
+        if key in known:
+            for v in vals:
+                if v not in known[key]:
+                    what = "backend" if key == "backend" else f"{key} option"
+                    extra = " (one branch: backend.sel=<name>)" if key == "backend" else ""
+                    config_exit(f"{key}={v}: unknown {what}; choose one of {', '.join(known[key])}{extra}")
+        if ov.is_sweep_override():
+            if not multirun:
+                config_exit(f"{arg}: a list of values is a sweep; add -m (python -m experiments.{entry} -m {arg})")
+        else:
+            plain.append(arg)
+    if any(a in OTHER_CONFIG for a in argv):
+        return  # another config than conf/<entry>.yaml: Hydra composes it
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=entry):
+            compose(config_name=entry, overrides=plain, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        config_exit(hydra_message(e))
+
+
+def launch(main: Callable[[], Any], entry: str) -> None:
+    """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes."""
+    argv = normalize(sys.argv[1:])
+    precheck(argv, entry)
+    sys.argv[1:] = argv
+    install_signal_handlers()
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        from .tracking import close_open
+
+        closed = getattr(e, "closed", []) + close_open("KILLED", interrupt_reason(e))
+        say(f"[{entry}] {interrupt_reason(e)}: " + (f"run(s) {', '.join(closed)} ended KILLED" if closed else
+                                                     "no run was open"))
+        raise SystemExit(getattr(e, "code", 130)) from None

@@ -1,0 +1,207 @@
+"""Validation: everything about a job's config that can be checked before a run starts.
+
+:func:`prepare` turns a composed config into a :class:`Job` (hardware profile resolved, backends
+after the profile's policy and checked available here, NSAConfig built, dtype chosen) or raises
+:class:`ConfigError` with one line naming the field and the rule. Only configuration errors are
+ConfigErrors: anything else raised here is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import nsa
+from nsa import dispatch
+from nsa.toolchain import ToolchainError, check_toolchain
+
+from . import hardware
+
+REPO = Path(__file__).resolve().parents[2]
+CONF_DIR = REPO / "conf"
+BRANCHES = ("cmp", "sel", "win")
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; reported as one line, before any run starts (exit code 2)."""
+
+
+class ResourceLimit(RuntimeError):
+    """A job needs more than limits.* allow (fails that job only)."""
+
+
+@dataclass
+class Job:
+    entry: str
+    cfg: DictConfig              # resolved, with the concrete hardware profile
+    nsa: nsa.NSAConfig
+    plan: dict                   # branch -> backend requested (after the hardware policy)
+    fallback: str | None
+    policy_notes: list
+    profile: DictConfig
+    profile_note: str
+    device: torch.device
+    dtype: torch.dtype
+    dev: hardware.Device
+    seq: int
+    branch: str                  # branch_force: none | cmp | sel | win
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+# Typed keys of each section (checked where the section exists: decode.* only for the decode entry).
+_INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
+RULES = {
+    "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
+    "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL,
+    "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
+    "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
+    "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
+}
+TOLERANCES = ("max_abs", "rel_l2", "index_mismatch", "near_tie_rel")  # parity.tol.<dtype>.<name>: numbers >= 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _valid(v, rule: str) -> bool:
+    if rule == _BOOL:
+        return isinstance(v, bool)
+    if rule == _POSITIVE:
+        return (_is_int(v) or isinstance(v, float)) and v > 0
+    return _is_int(v) and v >= (1 if rule == _INT1 else 0)
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Every key of RULES (and the parity tolerances) has a value of its type and range."""
+    missing = object()
+    for key, rule in RULES.items():
+        if "." in key and key.split(".")[0] not in cfg:
+            continue
+        v = OmegaConf.select(cfg, key, default=missing)
+        if v is missing:
+            raise ConfigError(f"{key}: missing; must be {rule}")
+        if not _valid(v, rule):
+            raise ConfigError(f"{key}={v!r}: must be {rule}")
+    if "parity" not in cfg:
+        return
+    ref = cfg.parity.get("ref_dtype")
+    if ref is not None and ref not in DTYPES:
+        raise ConfigError(f"parity.ref_dtype={ref!r}: one of {', '.join(DTYPES)}, or null (float64 on CPU, float32 on GPU)")
+    for dname, tol in cfg.parity.tol.items():
+        for k in TOLERANCES:
+            v = tol.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
+
+
+def branches_used(entry: str, branch: str) -> tuple[str, ...]:
+    """The branches whose backend a job runs. decode and prefill always run the compressed branch's
+    scoring (the selected blocks count the tokens read); parity runs only the forced branch (and
+    for sel the compressed one that picks its blocks)."""
+    if branch == "none":
+        return BRANCHES
+    used = {"cmp": ("cmp",), "sel": ("cmp", "sel"), "win": ("win",)}[branch]
+    return used if entry == "parity" or "cmp" in used else ("cmp", *used)
+
+
+def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype: torch.dtype,
+                   branches: tuple[str, ...]) -> None:
+    """Each backend's own availability check (``nsa.dispatch.choose``) for this device and dtype."""
+    for b in branches:
+        try:
+            dispatch.choose(b, plan[b], device, dtype, fallback)
+        except dispatch.BackendUnavailable as e:
+            raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
+
+
+def prepare(cfg: DictConfig, entry: str) -> Job:
+    """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line."""
+    try:
+        check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
+    except ToolchainError as e:
+        raise ConfigError(one_line(e)) from e
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # a copy without the hydra node
+    if "hydra" in cfg:
+        del cfg["hydra"]
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(one_line(e)) from e
+    check_types(cfg)
+    seq = cfg.seq
+    # Hardware: auto -> detected profile; a strict profile must match the device.
+    try:
+        profile, note = hardware.resolve_profile(cfg.hardware)
+    except hardware.HardwareMismatch as e:
+        raise ConfigError(str(e)) from e
+    strict = cfg.hardware.get("strict", True)
+    cfg.hardware = profile
+    cfg.hardware.strict = strict
+    dev = hardware.detect()
+    device = torch.device("cuda" if profile.device == "cuda" and dev.type == "cuda" else "cpu")
+    dname = cfg.dtype if cfg.dtype is not None else profile.dtype
+    if dname not in DTYPES:
+        raise ConfigError(f"dtype={dname!r}: one of {', '.join(DTYPES)}")
+    cfg.dtype = dname
+    # Model
+    try:
+        ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
+    except TypeError as e:
+        raise ConfigError(f"model.nsa: {e}") from e
+    except ValueError as e:
+        raise ConfigError(f"model={cfg.model.name}: {e}") from e
+    if ncfg.d_k % 2:
+        raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: must be even (RoPE rotates pairs of dims)")
+    # Branch forcing
+    branch = cfg.branch_force.name
+    if branch not in ("none", *BRANCHES):
+        raise ConfigError(f"branch_force={branch!r}: one of none, cmp, sel, win")
+    # Backends: names per branch (auto -> the profile's preferred), then the profile's policy.
+    plan, notes = {}, []
+    pol = profile.get("policy", {}) or {}
+    for b in BRANCHES:
+        name = cfg.backend.get(b)
+        if name is None:
+            name = (pol.get("preferred") or {}).get(b, "reference")
+        avoid = (pol.get("avoid") or {}).get(b)
+        if avoid is not None and name == avoid.backend and not pol.get("force", False):
+            notes.append(f"{b}: {name} -> {avoid.instead} (hardware={profile.name} policy: {avoid.reason}; "
+                         f"hardware.policy.force=true runs it)")
+            name = avoid.instead
+        plan[b] = name
+    try:
+        plan = dispatch.resolve(plan)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("backend[", "backend.").replace("]=", "=", 1)) from e
+    fallback = cfg.backend.get("fallback")
+    if fallback is not None and fallback not in dispatch.known_backends():
+        raise ConfigError(f"backend.fallback={fallback!r}: unknown backend; known: {', '.join(dispatch.known_backends())}")
+    for b in BRANCHES:
+        cfg.backend[b] = plan[b]
+    if "parity" in cfg and dname not in cfg.parity.tol:
+        raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
+    check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
+    return Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
+
+
+def check_memory(job: Job, est_bytes: float) -> None:
+    lim = float(job.cfg.limits.max_memory_gib)
+    if est_bytes > lim * 2**30:
+        raise ResourceLimit(f"seq={job.seq}: estimated {est_bytes / 2**30:.3g} GiB of tensors exceeds "
+                            f"limits.max_memory_gib={lim:g}")
+
+
+def groups() -> dict[str, list[str]]:
+    """The config groups a user picks on the command line (conf/<group>/<option>.yaml; conf/hydra/
+    holds Hydra's own settings) and their options."""
+    return {p.name: sorted(f.stem for f in p.glob("*.yaml"))
+            for p in sorted(CONF_DIR.iterdir()) if p.is_dir() and p.name != "hydra"}

@@ -1,0 +1,184 @@
+"""One job: the task body every entry point runs (``@hydra.main`` -> :func:`run_job`).
+
+1. :func:`~experiments.framework.config.prepare` validates the config. A ConfigError in a single run:
+   one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
+   started; a job that still fails validation, e.g. on another host, ends as a FAILED child.)
+2. A run is created in ``nsa-<entry>``: a child of ``tracking.parent_run_id`` when a sweep passed one,
+   tagged with the environment, the owning process and the job's overrides (``sweep_job``), and
+   ``work(job)`` runs inside ``nsa.dispatch.record()``.
+3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
+   run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
+   job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from nsa import dispatch
+
+from . import cli, tracking
+from .config import BRANCHES, ConfigError, Job, one_line, prepare
+from .report import Charts, write_csv
+
+log = logging.getLogger("experiments")
+HEADLINE = "0_"  # prefix of a job's headline metrics: they sort first in MLflow's tables and charts
+# Overrides a sweeper adds to each job (its store and parent); not part of what tells jobs apart.
+SWEEPER_KEYS = ("tracking.uri", "tracking.parent_run_id")
+
+
+@dataclass
+class Result:
+    rows: list[dict]                                     # the job's CSV, one dict per row
+    metrics: dict[str, float]                            # logged at step = seq
+    headline: dict[str, float] = field(default_factory=dict)  # logged as 0_<name>: the first columns to look at
+    failure: str | None = None                           # set: logged, then the run ends FAILED
+    charts: Charts | None = None                         # the sweep's charts over this entry's CSV rows
+    tags: dict[str, str] = field(default_factory=dict)   # notes set as run tags (e.g. a baseline skipped, and why)
+    texts: dict[str, str] = field(default_factory=dict)  # artifact path -> text (e.g. profiler tables), logged on the run
+
+
+class JobFailure(RuntimeError):
+    """The job's measurements are logged, and it failed a check (e.g. parity tolerances)."""
+
+
+def job_key(overrides) -> list[str]:
+    """A job's identity within its sweep: its overrides, less those the sweeper adds."""
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in SWEEPER_KEYS]
+
+
+def _hydra():
+    try:
+        return HydraConfig.get()
+    except ValueError:  # called outside a Hydra app (tests)
+        return None
+
+
+def _remove_empty_output_dir(hc) -> None:
+    """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
+    its own .hydra/ and the (empty) log file."""
+    out = Path(hc.runtime.output_dir)
+    if out.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out.iterdir()):
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            out.parent.rmdir()  # only if now empty
+        except OSError:
+            pass
+
+
+def describe(job: Job, choices: dict) -> tuple[dict, dict]:
+    """(params, tags) of a job's run: the flattened resolved config and the config-group choices;
+    the environment and what the validation decided."""
+    params = {**tracking.flatten(OmegaConf.to_container(job.cfg, resolve=True)), **choices}
+    tags = {**tracking.environment(job.dev), "entry": job.entry, "hardware_profile": job.profile.name,
+            "hardware_selected": job.profile_note, "branch_force": job.branch, "seq": str(job.seq),
+            "dtype": str(job.dtype).replace("torch.", ""), "policy_overrides": "; ".join(job.policy_notes) or "none",
+            **{f"backend_plan_{b}": job.plan[b] for b in BRANCHES}}
+    return params, tags
+
+
+def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
+    t0 = time.perf_counter()
+    cli.install_signal_handlers()  # a job process started by another launcher
+    hc = _hydra()
+    launch_dir = Path(hc.runtime.cwd) if hc else Path.cwd()
+    key = job_key(hc.overrides.task) if hc else []
+    choices = {k: v for k, v in (hc.runtime.choices if hc else {}).items() if not k.startswith("hydra/") and v}
+    parent = cfg.tracking.get("parent_run_id")
+    try:
+        job = prepare(cfg, entry)
+        store = tracking.connect(job.cfg.tracking, entry, launch_dir)
+    except ConfigError as e:
+        if parent is None:  # a single run: one line, exit 2, nothing left behind
+            if hc:
+                _remove_empty_output_dir(hc)
+            cli.config_exit(str(e))
+        return _failed_validation(cfg, entry, launch_dir, parent, key, e)
+    head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
+    name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
+    rid = tracking.start_run(store, name, parent, {"sweep_job": json.dumps(key)})
+    client = store.client
+    if parent is None:
+        log.info(f"[{entry}] tracking store {store.describe()}; run {rid}")
+    status, work_s, err = "FAILED", 0.0, None
+    try:
+        params, tags = describe(job, choices)
+        tracking.log_batch(client, rid, params=params, tags=tags)
+        for n in job.policy_notes:
+            log.info(f"{head}: backend policy {n}")
+        log.info(f"{head}: {job.profile_note}; backends {job.plan}; branch_force={job.branch}; {job.device}/{job.cfg.dtype}")
+        torch.manual_seed(int(job.cfg.seed))
+        if job.device.type == "cpu" and job.profile.get("threads"):
+            torch.set_num_threads(int(job.profile.threads))
+        with dispatch.record() as rec:
+            t_work = time.perf_counter()
+            try:
+                res = work(job)
+            finally:
+                work_s = time.perf_counter() - t_work
+                tracking.log_batch(client, rid, tags={
+                    **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
+                    "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
+                    "fallbacks": "; ".join(rec.fallbacks) or "none"})
+        _log_result(client, rid, job, res, work_s, Path(hc.runtime.output_dir) if hc else Path.cwd())
+        if res.failure:
+            raise JobFailure(res.failure)
+        status = "FINISHED"
+    except KeyboardInterrupt as e:
+        status, err = "KILLED", cli.interrupt_reason(e)
+        cli.note_closed(e, rid)
+        raise
+    except Exception as e:  # noqa: BLE001  (any failure fails this job only; recorded on its run)
+        err = f"{type(e).__name__}: {one_line(e)}"
+        log.error(f"{head}: FAILED: {err}", exc_info=not isinstance(e, JobFailure))  # traceback: log file only
+        try:
+            client.log_text(rid, traceback.format_exc(), "error.txt")
+        except Exception as e2:  # noqa: BLE001  (the store itself failing: still end the run below)
+            log.error(f"{head}: could not record the error on the run: {one_line(e2)}")
+    finally:
+        overhead = time.perf_counter() - t0 - work_s
+        try:
+            if status != "KILLED":
+                tracking.log_batch(client, rid, metrics={"framework_overhead_s": overhead}, step=job.seq)
+        finally:
+            tracking.end_run(client, rid, status, err)
+    log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {work_s:.2f} s, "
+             f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
+    if status != "FINISHED" and parent is None:
+        raise SystemExit(1)
+
+
+def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Path) -> None:
+    """Metrics (step = seq), tags, texts, the CSV (also written to the job's output dir), the resolved
+    config and the environment, on the job's run."""
+    metrics = {**res.metrics, **{HEADLINE + k: v for k, v in res.headline.items()},
+               "seq": float(job.seq), "measured_work_s": work_s}
+    tags = {**res.tags, **({"charts": res.charts.to_tag()} if res.charts else {})}
+    tracking.log_batch(client, rid, metrics=metrics, step=job.seq, tags=tags)
+    for path, text in res.texts.items():
+        client.log_text(rid, text, path)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / f"{job.entry}.csv", res.rows)
+    client.log_artifact(rid, str(out / f"{job.entry}.csv"))
+    client.log_text(rid, OmegaConf.to_yaml(job.cfg, resolve=True), "config.yaml")
+    client.log_dict(rid, {**tracking.environment(job.dev), "hardware_profile": OmegaConf.to_container(job.profile),
+                          "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
+
+
+def _failed_validation(cfg, entry, launch_dir, parent, key, e: ConfigError) -> None:
+    """A sweep's job whose config fails here although the sweep validated it (e.g. a profile that
+    matched the launching host, not this one): a FAILED child run that says why."""
+    log.error(f"[{entry}] config error: {e}")
+    store = tracking.connect(cfg.tracking, entry, launch_dir)
+    rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, {"sweep_job": json.dumps(key)})
+    tracking.end_run(store.client, rid, "FAILED", f"ConfigError: {e}")

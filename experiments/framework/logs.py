@@ -1,0 +1,22 @@
+"""Console and log-file output.
+
+A job logs through ``logging`` (Hydra writes each job's ``<entry>.log`` from it, see
+``conf/hydra/job_logging/nsa.yaml``): the console shows one line per message, the log file the same
+with times and, for a failed job, the traceback. The sweep's own lines (start, summary, interrupts)
+come from the launching process, outside any job's log: :func:`say`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class OneLine(logging.Formatter):
+    """The message alone, without the traceback a record may carry (that goes to the log file)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage()

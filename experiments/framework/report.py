@@ -1,0 +1,112 @@
+"""Tables and charts: a job's CSV, the sweep's CSV, its charts (images and stepped metrics), the summary.
+
+An entry point names its charts (:class:`Charts`: the x column, the column that tells lines apart,
+one panel per y column). Each job records them on its run (tag ``charts``), so the sweep draws them
+from the store's child runs whichever launcher ran the jobs.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Charts:
+    x: str                  # CSV column on the x axis (log2), e.g. seq_tokens; its values are the metrics' steps
+    series: str             # CSV column that tells lines apart, e.g. variant
+    ys: tuple[str, ...]     # one panel (and one metric per line) per column, e.g. ("p50_ms", "speedup_vs_dense_x")
+
+    def to_tag(self) -> str:
+        return json.dumps({"x": self.x, "series": self.series, "ys": list(self.ys)})
+
+    @staticmethod
+    def from_tag(text: str) -> Charts:
+        d = json.loads(text)
+        return Charts(d["x"], d["series"], tuple(d["ys"]))
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Write rows atomically (temporary file, then rename): a CSV is complete or absent."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k in r if k not in cols]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _number(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def lines(rows: list[dict], charts: Charts) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """y column -> line label -> sorted (x, y) points. A row's label is its series value, plus its
+    ``_series`` entry (what else differs between the sweep's jobs) where there is one."""
+    out: dict[str, dict[str, list]] = {y: {} for y in charts.ys}
+    for r in rows:
+        x = _number(r.get(charts.x))
+        label = " ".join(s for s in (str(r.get(charts.series, "")), r.get("_series", "")) if s)
+        for y in charts.ys:
+            v = _number(r.get(y))
+            if x is not None and v is not None:
+                out[y].setdefault(label, []).append((int(x), v))
+    return {y: {k: sorted(p) for k, p in ls.items()} for y, ls in out.items()}
+
+
+def metric_name(y: str, label: str) -> str:
+    """MLflow metric key for one line of a chart: ``<y>/<label>`` (a section per y in MLflow's charts)."""
+    return f"{y}/" + re.sub(r"[^/\w.\- :]", "_", label.replace("=", ":"))
+
+
+def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path, title: str) -> None:
+    """One panel per y, one line per label, log-log (dense baselines dashed); written atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5 * len(data), 4.5))
+    FigureCanvasAgg(fig)
+    for i, (y, ls) in enumerate(data.items(), 1):
+        ax = fig.add_subplot(1, len(data), i)
+        for label, pts in sorted(ls.items()):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.startswith("dense") else "-",
+                    marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        if all(p[1] > 0 for pts in ls.values() for p in pts):
+            ax.set_yscale("log")
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(f"{title}: {y} vs {x}")
+        ax.grid(True, which="both", alpha=0.3)
+        if ls:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain fixed-width text table."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

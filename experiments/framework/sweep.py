@@ -1,0 +1,286 @@
+"""A sweep (``-m``): expand, validate every job, open the parent run, launch, summarize from the store.
+
+Run by the Hydra sweeper plugin ``hydra_plugins/nsa_sweeper`` (``hydra/sweeper: nsa`` in conf/).
+Nothing starts unless every job's config is valid and the store and the parent run could be
+created (one line, exit 2). The contract with launchers and jobs:
+
+* each job gets its overrides plus ``++tracking.uri=<store>`` and ``++tracking.parent_run_id=<parent>``;
+  a job logs one child run under that parent, tagged ``sweep_job`` (its overrides, JSON), in
+  whatever process or host the launcher (``hydra/launcher``) runs it;
+* after the launcher returns, the summary, the sweep's CSV, its charts and the parent's status come
+  from the store's children of the parent, so they are the same whatever the launcher;
+* ``hydra.sweeper.resume=<parent run id>`` runs only the jobs with no FINISHED child (matched by
+  their overrides) into the same parent, after closing its stale RUNNING runs.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from . import cli, report, tracking
+from .config import ConfigError, Job, one_line, prepare
+from .job import HEADLINE, describe, job_key
+from .logs import say
+
+_SAFE = re.compile(r"[\w./:@%+-]+")
+
+
+def expand(parser, params: dict, arguments: list[str]) -> list[list[str]]:
+    """The cartesian product of the sweep's values (``hydra.sweeper.params``, then the command
+    line; a key given twice takes the later values), one override list per job."""
+    lists: dict[str, list[str]] = {}
+    for o in parser.parse_overrides([f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)):
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            if not o.is_discrete_sweep():
+                raise ConfigError(f"{o.input_line}: only lists of values sweep (a,b,c, range(), choice(), glob())")
+            lists[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        else:
+            lists[key] = [f"{key}={o.get_value_element_as_str()}"]
+    return [list(x) for x in itertools.product(*lists.values())]
+
+
+def varied(jobs: list[list[str]]) -> list[str]:
+    """The keys whose value differs between jobs, in command-line order."""
+    seen: dict[str, set] = {}
+    for ov in jobs:
+        for o in ov:
+            k, _, v = o.partition("=")
+            seen.setdefault(k, set()).add(v)
+    return [k for k, vs in seen.items() if len(vs) > 1]
+
+
+def label(ov: list[str], keys: list[str]) -> str:
+    """A job's values of ``keys`` (all its overrides where no key varies)."""
+    return " ".join(o for o in ov if o.partition("=")[0] in keys) if keys else " ".join(job_key(ov))
+
+
+def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
+    """Every job's config, composed as its launcher will and validated, before anything starts."""
+    loader, out = sweeper.hydra_context.config_loader, []
+    for ov in jobs:
+        try:
+            out.append(prepare(loader.load_sweep_config(sweeper.config, list(ov)), entry))
+        except ConfigError as e:
+            cli.config_exit(f"{e} [job: {' '.join(ov)}]")
+        except (HydraException, OmegaConfBaseException) as e:
+            cli.config_exit(f"{cli.hydra_message(e)} [job: {' '.join(ov)}]")
+    return out
+
+
+def _show(sweeper, jobs: list[list[str]]) -> None:
+    """``-m ... --cfg job|hydra|all [--resolve]``: each job's config, as Hydra's --cfg prints one."""
+    for i, ov in enumerate(jobs):
+        c = sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(ov))
+        OmegaConf.set_struct(c, False)
+        if sweeper.show == "job":
+            del c["hydra"]
+        elif sweeper.show == "hydra":
+            c = OmegaConf.create({"hydra": c.hydra})
+        print(f"# job {i}: {' '.join(ov)}\n{OmegaConf.to_yaml(c, resolve=bool(sweeper.show_resolve))}")
+
+
+def _quote(v: str) -> str:
+    if _SAFE.fullmatch(v):
+        return v
+    if "'" in v or "\\" in v:
+        cli.config_exit(f"tracking.uri={v!r}: a sweep passes it to each job; it may not hold quotes or backslashes")
+    return f"'{v}'"
+
+
+def run_sweep(sweeper, arguments: list[str]) -> list:
+    t0 = time.perf_counter()
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    cfg = sweeper.config
+    entry = cfg.hydra.job.name
+    try:
+        jobs = expand(OverridesParser.create(config_loader=sweeper.hydra_context.config_loader), sweeper.params,
+                      arguments)
+    except ConfigError as e:
+        cli.config_exit(str(e))
+    except HydraException as e:
+        cli.config_exit(cli.hydra_message(e))
+    if sweeper.show:
+        return _show(sweeper, jobs)
+    prepared = _validate(sweeper, jobs, entry)
+    try:
+        store = tracking.connect(prepared[0].cfg.tracking, entry, Path(cfg.hydra.runtime.cwd))
+    except ConfigError as e:
+        cli.config_exit(str(e))
+    keys = varied(jobs)
+    if sweeper.resume:
+        parent, todo = _resume(store, str(sweeper.resume), jobs)
+    else:
+        parent, todo = _new_parent(store, entry, prepared[0], jobs, keys), jobs
+    sweep_dir = Path(cfg.hydra.sweep.dir)
+    say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
+        + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
+    extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+    returns, failure = [], None
+    try:
+        returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
+    except KeyboardInterrupt as e:
+        tracking.end_run(store.client, parent, "KILLED", cli.interrupt_reason(e))
+        cli.note_closed(e, parent)
+        raise
+    except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
+        failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
+        say(traceback.format_exc().rstrip())
+    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure)
+    return returns
+
+
+def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list[str]) -> str:
+    values = {k: [] for k in keys}
+    for ov in jobs:
+        for o in ov:
+            k, _, v = o.partition("=")
+            if k in values and v not in values[k]:
+                values[k].append(v)
+    params, tags = describe(first, {})
+    params = {k: v for k, v in params.items() if k not in values and k.split(".")[0] not in values}
+    params.update({f"sweep.{k}": ",".join(v) for k, v in values.items()})
+    tags.update({"sweep": "parent", "sweep_jobs": str(len(jobs)), "seq": ",".join(values.get("seq", [str(first.seq)])),
+                 "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
+                 "sweep_command": " ".join(["python", "-m", f"experiments.{entry}", *sys.argv[1:]])})
+    name = f"{entry} sweep " + " ".join(f"{k}={','.join(v)}" for k, v in values.items())
+    from mlflow.exceptions import MlflowException
+
+    try:
+        rid = tracking.start_run(store, name, None, {"sweep": "parent"})
+    except (MlflowException, OSError) as e:  # no parent: the sweep must not start
+        cli.config_exit(f"tracking store {store.uri}: cannot create the sweep's parent run: {one_line(e)}")
+    try:
+        tracking.log_batch(store.client, rid, params=params, tags=tags)
+    except (MlflowException, OSError) as e:
+        tracking.end_run(store.client, rid, "FAILED", f"could not log the sweep's parameters: {one_line(e)}")
+        cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {one_line(e)}")
+    return rid
+
+
+def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]]]:
+    """Take over the sweep ``rid``: close its stale runs, and return the jobs with no FINISHED child."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = store.client.get_run(rid)
+    except MlflowException:
+        cli.config_exit(f"hydra.sweeper.resume={rid}: no such run in {store.uri}")
+    if run.info.experiment_id != store.experiment_id or run.data.tags.get("sweep") != "parent":
+        cli.config_exit(f"hydra.sweeper.resume={rid}: not a sweep's parent run in experiment {store.experiment}")
+    if run.info.status == "RUNNING" and not tracking.stale(run):
+        where = f"process {run.data.tags.get('pid', '?')} on {run.data.tags.get('host', '?')}"
+        cli.config_exit(f"hydra.sweeper.resume={rid}: the sweep is still RUNNING ({where}); stop it, or close it "
+                        f"with: python -m experiments.close_stale {rid} --force")
+    for r, what in tracking.close_stale(store.client, rid):
+        say(f"[resume] run {r}: {what}")
+    done = {frozenset(json.loads(r.data.tags.get("sweep_job", "[]")))
+            for r in tracking.children(store.client, store.experiment_id, rid) if r.info.status == "FINISHED"}
+    tracking.reopen(store.client, rid)
+    return rid, [ov for ov in jobs if frozenset(job_key(ov)) not in done]
+
+
+def _latest(store, parent: str, jobs: list[list[str]]) -> list:
+    """Per job, its latest child run of ``parent`` in the store (None: it never started)."""
+    latest: dict[frozenset, object] = {}
+    for r in sorted(tracking.children(store.client, store.experiment_id, parent), key=lambda r: r.info.start_time):
+        latest[frozenset(json.loads(r.data.tags.get("sweep_job", "[]")))] = r
+    return [latest.get(frozenset(job_key(ov))) for ov in jobs]
+
+
+def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str]) -> tuple[list[dict], object]:
+    """The jobs' CSV rows from their runs' artifacts (with job_overrides, job_status, run_id, and the
+    ``_series`` the charts tell lines apart by), and the charts the jobs named. Each child is renamed
+    after the values that vary in the sweep."""
+    from mlflow.exceptions import MlflowException
+
+    rows, charts = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for ov, r in zip(jobs, runs):
+            if r is None:
+                continue
+            store.client.set_tag(r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
+            try:
+                got = report.read_csv(Path(store.client.download_artifacts(r.info.run_id, f"{entry}.csv", tmp)))
+            except (MlflowException, OSError):  # a job that failed before writing its CSV
+                got = []
+            series = " ".join(o for o in ov if o.partition("=")[0] in keys and o.partition("=")[0] != "seq")
+            rows += [{"job_overrides": " ".join(ov), "job_status": r.info.status, "run_id": r.info.run_id, **row,
+                      "_series": series} for row in got]
+            if charts is None and "charts" in r.data.tags:
+                charts = report.Charts.from_tag(r.data.tags["charts"])
+    return rows, charts
+
+
+def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
+    """The summary: per job the values that vary, status, headline metrics, run id."""
+    heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
+    return report.table(["#", *(keys or ["job"]), "status", *(h[len(HEADLINE):] for h in heads), "run id"], [
+        [str(i), *([o.partition("=")[2] for o in ov if o.partition("=")[0] in keys] if keys else [label(ov, keys)]),
+         r.info.status if r else "not run", *(report.fmt(r.data.metrics.get(h, "")) if r else "" for h in heads),
+         r.info.run_id if r else ""] for i, (ov, r) in enumerate(zip(jobs, runs))])
+
+
+def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
+            t0: float, failure: str | None = None) -> None:
+    """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
+    parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
+    has returned, so a child still RUNNING lost its process (e.g. killed by a scheduler): it ends FAILED."""
+    runs = _latest(store, parent, jobs)
+    for r in runs:
+        if r is not None and r.info.status == "RUNNING":
+            tracking.end_run(store.client, r.info.run_id, "FAILED",
+                             failure or "the job ended without ending its run (its process was killed?)")
+    runs = _latest(store, parent, jobs)
+    rows, charts = _rows(store, entry, jobs, runs, keys)
+    artifacts, series = [], []
+    if rows:
+        report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
+        artifacts.append(sweep_dir / f"{entry}_sweep.csv")
+    if charts and rows:
+        data = report.lines(rows, charts)
+        series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
+        if len({x for _, _, x in series}) > 1:  # a curve needs two x values
+            report.plot(data, charts.x, sweep_dir / f"{entry}_vs_seq.png", entry)
+            artifacts.append(sweep_dir / f"{entry}_vs_seq.png")
+    text = _table(jobs, runs, keys)
+    (sweep_dir / "summary.txt").write_text(text + "\n")
+    artifacts.append(sweep_dir / "summary.txt")
+    bad = [(ov, r) for ov, r in zip(jobs, runs) if r is None or r.info.status != "FINISHED"]
+    status = "FAILED" if bad else "FINISHED"
+    overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
+    mean_ov, max_ov = sum(overheads) / max(1, len(overheads)), max(overheads, default=0.0)
+    wall = time.perf_counter() - t0  # the figure the console reports, too
+    try:
+        tracking.log_batch(store.client, parent, metrics={
+            "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
+            "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov})
+        tracking.log_series(store.client, parent, series)
+        for a in artifacts:
+            store.client.log_artifact(parent, str(a))
+    finally:
+        error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
+            f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else "not run") for ov, r in bad)
+        if failure:
+            status, error = "FAILED", f"{failure}; {error}"
+        tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
+    say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
+        f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
+    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
+    if status == "FAILED":
+        print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "
+              f"hydra.sweeper.resume={parent}")
+        raise SystemExit(1)

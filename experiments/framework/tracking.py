@@ -1,0 +1,358 @@
+"""MLflow: which store, opening it safely, the experiment, runs and the tags every run carries.
+
+The store is ``tracking.uri`` if set, else ``$MLFLOW_TRACKING_URI`` (as MLflow itself does), else
+``sqlite:///<launch dir>/mlflow.db``. :func:`connect` checks it once, up front, and fails in seconds
+with one line (:class:`StoreUnavailable`, exit code 2) naming the URI and the cause. A SQLite store is
+created or upgraded by one process at a time, under an exclusive ``flock`` on ``<db>.lock`` beside
+it: MLflow's schema migration is not safe against a second process doing the same (two first sweeps
+on a new store lost runs and left ``_alembic_tmp_*`` tables behind).
+
+Every run records the process that owns it (tags ``host``, ``pid``, ``process``), so a run left
+RUNNING by a process that was killed (SIGKILL, a lost node) can be told apart from a live one:
+:func:`stale` and :func:`close_stale` (``python -m experiments.close_stale``).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+import nsa
+from nsa import env
+from nsa.toolchain import check_toolchain
+
+from .config import REPO, ConfigError, one_line
+from .hardware import Device
+from .logs import say
+
+SQLITE = "sqlite:///"
+PROBE_TIMEOUT_S = 5          # the first request to a tracking server
+HTTP_RETRIES, HTTP_TIMEOUT_S = 3, 30  # MLflow's own retries afterwards (its defaults: 7 retries, 120 s)
+# The UI opens an experiment in the runs (model training) view, not the GenAI traces view: the
+# experiment tag MLflow 3's UI reads (mlflow/server/js: "mlflow.experimentKind"), and the URL parameter
+# that wins over it in 3.17's UI.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_VIEW = "runs?workflowType=machine_learning"
+
+
+class StoreUnavailable(ConfigError):
+    """The tracking store cannot be opened or written (one line, exit code 2, before any run)."""
+
+
+@dataclass
+class Store:
+    uri: str
+    origin: str                  # where the URI came from: tracking.uri, MLFLOW_TRACKING_URI, default
+    client: Any                  # mlflow.MlflowClient
+    experiment_id: str
+    experiment: str
+
+    def describe(self) -> str:
+        return f"{self.uri} ({self.origin}), experiment {self.experiment}"
+
+    def ui_hint(self) -> str:
+        """How to look at this experiment: the command to start the UI, then the page to open."""
+        page = f"#/experiments/{self.experiment_id}/{UI_VIEW}"
+        if self.uri.startswith(("http://", "https://")):
+            return f"open {self.uri.rstrip('/')}/{page}"
+        return f"mlflow ui --backend-store-uri {self.uri}  # then open http://127.0.0.1:5000/{page}"
+
+
+def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
+    """(uri, origin) for the ``tracking`` config."""
+    if t.get("uri"):
+        return str(t.uri), "tracking.uri"
+    if env.mlflow_tracking_uri():
+        return env.mlflow_tracking_uri(), "MLFLOW_TRACKING_URI"
+    if t.get("name") == "server":
+        raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
+    return f"{SQLITE}{launch_dir / 'mlflow.db'}", "default: mlflow.db in the launch directory"
+
+
+def _cause(e: BaseException) -> str:
+    """The useful end of a store error: an OS error number and text where there is one."""
+    text = one_line(e)
+    m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
+    return m.group(0).strip() if m else text[:300]
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """Exclusive flock on ``<db>.lock`` for a SQLite store (no lock elsewhere)."""
+    if not uri.startswith(SQLITE):
+        yield
+        return
+    db = Path(uri[len(SQLITE):])
+    if not db.parent.is_dir():
+        raise StoreUnavailable(f"tracking store {uri}: directory {db.parent} does not exist")
+    try:
+        fd = os.open(f"{db}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise StoreUnavailable(f"tracking store {uri}: cannot write in {db.parent}: {e.strerror}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if db.exists() and not os.access(db, os.W_OK):
+            raise StoreUnavailable(f"tracking store {uri}: {db} is not writable")
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+_CLIENTS: dict[str, Any] = {}
+_STORES: dict[tuple[str, str], Store] = {}
+
+
+def open_client(uri: str):
+    """An MlflowClient on ``uri``, the store checked (and a SQLite one created) once per process."""
+    if uri not in _CLIENTS:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
+        try:
+            with _store_lock(uri), env.mlflow_http_probe(PROBE_TIMEOUT_S):
+                client = MlflowClient(tracking_uri=uri)
+                client.search_experiments(max_results=1)  # creates or checks the schema; reaches a server
+        except (MlflowException, OSError) as e:
+            raise StoreUnavailable(f"tracking store {uri}: {_cause(e)}") from e
+        _CLIENTS[uri] = client
+    return _CLIENTS[uri]
+
+
+def connect(t: DictConfig, entry: str, launch_dir: Path) -> Store:
+    """The store and experiment for the ``tracking`` config, checked and created once per process."""
+    uri, origin = resolve_uri(t, launch_dir)
+    name = t.get("experiment") or f"nsa-{entry}"
+    if (uri, name) not in _STORES:
+        from mlflow.exceptions import MlflowException
+
+        client = open_client(uri)
+        try:
+            with _store_lock(uri):
+                eid = _experiment(client, uri, name, t.get("artifact_root"))
+        except (MlflowException, OSError) as e:
+            raise StoreUnavailable(f"tracking store {uri}: {_cause(e)}") from e
+        _STORES[(uri, name)] = Store(uri, origin, client, eid, name)
+    return _STORES[(uri, name)]
+
+
+def _experiment(client, uri: str, name: str, root: str | None) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        if root is None and uri.startswith(SQLITE):
+            root = (Path(uri[len(SQLITE):]).parent / "mlruns").resolve().as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None,
+                                            tags=EXPERIMENT_KIND)
+        except MlflowException:  # created meanwhile by another process (a server store: no lock)
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if "mlflow.experimentKind" not in exp.tags and exp.lifecycle_stage == "active":
+        client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+    return exp.experiment_id
+
+
+# ================================================================================================
+# What ran, where: environment tags and the owning process
+# ================================================================================================
+def _git(*args) -> str:
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def git_state() -> dict[str, str]:
+    """This project's commit and dirty flag; empty where the project is not its own git repository
+    (a copy inside another repository must not report that repository's commit)."""
+    top = _git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != REPO:
+        return {}
+    commit = _git("rev-parse", "HEAD")
+    if not commit:
+        return {}
+    dirty = "true" if _git("status", "--porcelain", "--untracked-files=no") else "false"
+    return {"git_commit": commit, "git_dirty": dirty, "mlflow.source.git.commit": commit}
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _process_start(pid: int) -> str:
+    """Boot id and start time (clock ticks since boot) of a process on this host: with the pid, an
+    identity no later process has. "" where /proc is not there."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return ""
+
+
+def process_tags() -> dict[str, str]:
+    pid = os.getpid()
+    return {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
+
+
+_ENV: dict = {}
+
+
+def environment(dev: Device) -> dict:
+    """Versions, device and source state of this process (cached)."""
+    if not _ENV:
+        _ENV.update({
+            "python_version": platform.python_version(),
+            "torch_version": torch.__version__,
+            "triton_version": _version("triton"),
+            "cuda_version": torch.version.cuda or "none",
+            "flash_attn_version": _version("flash-attn"),
+            "mlflow_version": _version("mlflow"),
+            "hydra_version": _version("hydra-core"),
+            "nsa_version": nsa.__version__,
+            "toolchain": env.toolchain_id() or check_toolchain(),
+            **git_state(),
+        })
+    return {**_ENV, **process_tags(), "device_type": dev.type, "device_name": dev.name,
+            "device_capability": f"{dev.capability[0]}.{dev.capability[1]}" if dev.capability else "none",
+            "device_driver": dev.driver or "none", "device_count": str(dev.count)}
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    out = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = str(d)
+    return out
+
+
+def log_batch(client, rid: str, metrics: dict[str, float] | None = None, step: int = 0,
+              params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
+    """Metrics (at ``step``), params and tags in as few store calls as MLflow allows."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    now = int(time.time() * 1000)
+    ms = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items()]
+    ps = [Param(k, str(v)[:6000]) for k, v in (params or {}).items()]
+    ts = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
+    for i in range(0, max(len(ms), len(ps), len(ts), 1), 100):  # MLflow's limit: 100 params/tags per call
+        client.log_batch(rid, metrics=ms[i:i + 100], params=ps[i:i + 100], tags=ts[i:i + 100])
+
+
+def log_series(client, rid: str, points: list[tuple[str, float, int]]) -> None:
+    """Metrics at their own steps: (key, value, step), e.g. a chart's line over seq."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    ms = [Metric(k, float(v), now, int(step)) for k, v, step in points]
+    for i in range(0, len(ms), 1000):  # MLflow's limit: 1000 metrics per call
+        client.log_batch(rid, metrics=ms[i:i + 1000])
+
+
+# ================================================================================================
+# Runs this process holds open, and closing them whatever happens
+# ================================================================================================
+_OPEN: dict[str, Any] = {}  # run id -> client
+
+
+def start_run(store: Store, name: str, parent: str | None = None, tags: dict | None = None) -> str:
+    t = {"mlflow.runName": name, **process_tags(), **(tags or {})}
+    if parent:
+        t["mlflow.parentRunId"] = parent
+    rid = store.client.create_run(store.experiment_id, tags=t).info.run_id
+    _OPEN[rid] = store.client
+    return rid
+
+
+def end_run(client, rid: str, status: str, error: str | None = None) -> None:
+    """End a run (FINISHED, FAILED, KILLED); ``error`` is recorded as its ``error`` tag first."""
+    try:
+        if error:
+            client.set_tag(rid, "error", error[:5000])
+    finally:
+        client.set_terminated(rid, status)
+        _OPEN.pop(rid, None)
+
+
+def reopen(client, rid: str) -> None:
+    """A resumed sweep's parent: RUNNING again, owned by this process."""
+    client.update_run(rid, status="RUNNING")
+    log_batch(client, rid, tags=process_tags())
+    _OPEN[rid] = client
+
+
+def close_open(status: str, reason: str) -> list[str]:
+    """End every run this process still holds (an interrupt, an exit): the ids closed."""
+    closed = []
+    for rid, client in list(_OPEN.items()):
+        try:
+            end_run(client, rid, status, reason)
+            closed.append(rid)
+        except Exception as e:  # noqa: BLE001  (keep closing the others; the run stays for close_stale)
+            _OPEN.pop(rid, None)
+            say(f"could not close run {rid}: {one_line(e)}")
+    return closed
+
+
+atexit.register(close_open, "KILLED", "the process exited without ending this run")
+
+
+# ================================================================================================
+# Stale runs: RUNNING in the store, their process gone
+# ================================================================================================
+def stale(run) -> bool | None:
+    """True: RUNNING and its process is gone; False: ended, or its process lives; None: it ran on
+    another host (or recorded no process), so this host cannot tell."""
+    if run.info.status != "RUNNING":
+        return False
+    t = run.data.tags
+    if t.get("host") != platform.node() or not t.get("process", "").split(":", 1)[-1]:
+        return None
+    pid = int(t["pid"])
+    return t["process"] != f"{pid}:{_process_start(pid)}"
+
+
+def children(client, experiment_id: str, parent: str) -> list:
+    return client.search_runs([experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'",
+                              max_results=50000)
+
+
+def close_stale(client, rid: str, force: bool = False) -> list[tuple[str, str]]:
+    """Close run ``rid`` and its children where they are stale (``force``: also those this host
+    cannot judge). Returns (run id, what was done) for every run that was RUNNING."""
+    run = client.get_run(rid)
+    done = []
+    for r in [run, *children(client, run.info.experiment_id, rid)]:
+        if r.info.status != "RUNNING":
+            continue
+        s = stale(r)
+        where = f"process {r.data.tags.get('pid', '?')} on {r.data.tags.get('host', '?')}"
+        if s or (s is None and force):
+            why = "is gone" if s else "could not be checked from this host (closed with --force)"
+            end_run(client, r.info.run_id, "KILLED", f"stale: {where} {why}")
+            done.append((r.info.run_id, f"closed (KILLED): {where} {why}"))
+        else:
+            done.append((r.info.run_id, f"left RUNNING: {where} " + (
+                "is alive" if s is False else "cannot be checked from this host (--force closes it)")))
+    return done

@@ -1,0 +1,60 @@
+"""Running the entry points for real in tests: ``python -m experiments.<name>`` subprocesses (the
+repository first on PYTHONPATH) into a temporary SQLite store, read back through MlflowClient."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def env(**extra: str) -> dict:
+    """This environment without MLflow's store variable and the Triton interpreter, plus ``extra``."""
+    e = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TRITON_INTERPRET")}
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return {**e, **extra}
+
+
+def start(tmp: Path, entry: str, *args: str, name: str | None = "x", template: Path | None = None,
+          store: bool = True, extra_env: dict | None = None, repo: Path = REPO) -> subprocess.Popen:
+    """Run an entry point in tmp (its cwd) into tmp/mlflow.db (``store=False``: the store the
+    arguments or the environment choose); Hydra's dirs: tmp/out/<name>, or the configured default
+    (tmp/outputs/...) when name is None."""
+    if template is not None and not (tmp / "mlflow.db").exists():
+        shutil.copy(template, tmp / "mlflow.db")  # an initialized store: skips MLflow's table creation
+    cmd = [sys.executable, "-m", f"experiments.{entry}", *args]
+    if store:
+        cmd.append(f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}")
+    if name is not None:
+        cmd += [f"hydra.run.dir={tmp / 'out' / name}", f"hydra.sweep.dir={tmp / 'out' / name}"]
+    e = env(**(extra_env or {}))
+    e["PYTHONPATH"] = str(repo) + os.pathsep + e["PYTHONPATH"]
+    return subprocess.Popen(cmd, cwd=tmp, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait(p: subprocess.Popen, timeout: float = 300):
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def runs(db: Path, entry: str):
+    """(client, every run of nsa-<entry>) in the SQLite store db."""
+    c = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = c.get_experiment_by_name(f"nsa-{entry}")
+    assert exp is not None, f"no experiment nsa-{entry}"
+    return c, c.search_runs([exp.experiment_id], max_results=1000)
+
+
+def make_template(path: Path) -> Path:
+    """An initialized, empty SQLite store to copy (creating the tables costs seconds per store)."""
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def one_line(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.strip()]

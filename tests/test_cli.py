@@ -1,0 +1,260 @@
+"""The command line through the real CLI: overrides on both sides of -m, the design card's command,
+--cfg / --help with -m, one-line config errors (exit 2, nothing started), store failures in seconds,
+MLFLOW_TRACKING_URI, this project's git commit only, a sweep whose parent cannot be created."""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import entrypoints
+import pytest
+from entrypoints import REPO, one_line, start, wait
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from experiments.framework import cli
+
+CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's command
+ENTRIES = ("decode", "prefill", "parity")
+# A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
+NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
+
+
+def documented_commands() -> list[str]:
+    """Every ``python -m experiments.<entry> ...`` line of the README's shell blocks, the entry
+    points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
+    (``<run id>``) are run by the tests that have one."""
+    texts = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    for e in ENTRIES:
+        texts.append(OmegaConf.load(REPO / "conf" / f"{e}.yaml").hydra.help.header)
+        texts.append(ast.get_docstring(ast.parse((REPO / "experiments" / f"{e}.py").read_text())))
+    cmds = set()
+    for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
+        seg = " ".join(seg.split("#")[0].split())
+        if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
+            cmds.add("python " + seg.split(" ", 1)[1])
+    return sorted(cmds)
+
+
+def test_overrides_move_in_front_of_the_flags():
+    assert cli.normalize(["hardware=cpu", "-m", "seq=1,2"]) == ["hardware=cpu", "seq=1,2", "-m"]
+    assert cli.normalize(["-m", "seq=1,2", "hydra.verbose=true"]) == ["seq=1,2", "hydra.verbose=true", "-m"]
+    assert cli.normalize(["--cfg", "job", "seq=4"]) == ["seq=4", "--cfg", "job"]
+    # -m with --cfg: each job's config, printed by the sweeper; with --help: the sweep's lists dropped
+    assert cli.normalize(["seq=1,2", "-m", "--cfg", "hydra", "--resolve"]) == \
+        ["seq=1,2", "hydra.sweeper.show=hydra", "hydra.sweeper.show_resolve=true", "-m"]
+    assert cli.normalize(["--help", "-m", "seq=1,2", "model=tiny"]) == ["model=tiny", "--help"]
+
+
+def test_precheck_rejects_unknown_group_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.precheck(["seq=64", "backend=reference,nope"], "decode")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "backend=nope" in err[0]
+    cli.precheck(["backend=triton", "-m", "seq=1,2"], "decode")  # known options pass
+
+
+# name: (entry, arguments, texts the one stderr line holds). Each exits 2 before any run or output: a
+# Hydra composition or parse error, a list without -m, a value prepare() refuses (the rest of
+# prepare's rules: test_conf.py, in-process).
+ONE_LINE = {
+    "typo_key": ("decode", ["sqe=512"], ["'sqe'", "+sqe=512"]),
+    "typo_key_in_sweep": ("decode", ["-m", "sqe=1,2"], ["'sqe'"]),
+    "bad_syntax": ("decode", ["seq=[1,2"], ["seq=[1,2"]),
+    "list_without_m": ("decode", ["seq=64,128"], ["add -m"]),
+    "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),
+}
+# Store failures: one line naming the store and the cause, in seconds (MLflow alone retried for 107-252 s).
+STORE_DOWN = {
+    "server_down": (["tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "Connection refused"]),
+    "server_down_sweep": (["-m", "seq=64,128", "tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "refused"]),
+    "sqlite_unwritable": (["tracking.uri=sqlite:////proc/nsa-bench.db"], ["sqlite:////proc/nsa-bench.db", "/proc"]),
+}
+
+
+def _git_copy(tmp: Path) -> Path:
+    """The project's files (no .git of their own) inside another git repository."""
+    subprocess.run(["git", "init", "-q", str(tmp)], check=True)
+    subprocess.run(["git", "-C", str(tmp), "-c", "user.email=x@y", "-c", "user.name=x", "commit", "-q",
+                    "--allow-empty", "-m", "enclosing"], check=True)
+    for d in ("nsa", "experiments", "conf", "hydra_plugins"):
+        shutil.copytree(REPO / d, tmp / "copy" / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp / "copy"
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """Every command at once (each is mostly interpreter start-up); (tmp, rc, stdout, stderr, seconds)."""
+    template = entrypoints.make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
+    procs, t0 = {}, time.perf_counter()
+    for k, (entry, args, _) in ONE_LINE.items():
+        tmp = tmp_path_factory.mktemp(k)
+        procs[k] = (tmp, start(tmp, entry, *args, name=k))
+    for cmd in documented_commands():  # as written, each in a directory of its own (the default store)
+        tmp = tmp_path_factory.mktemp("doc")
+        shutil.copy(template, tmp / "mlflow.db")
+        procs[cmd] = (tmp, subprocess.Popen([sys.executable, *cmd.split()[1:]], cwd=tmp, env=entrypoints.env(),
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    tmp = tmp_path_factory.mktemp("help")
+    procs["help_sweep"] = (tmp, start(tmp, "decode", "--help", "-m", "seq=1,2", "hydra.verbose=false", name=None,
+                                      store=False))
+    # MLFLOW_TRACKING_URI is the store unless tracking.uri is given; hydra.* overrides on both sides of -m.
+    tmp = tmp_path_factory.mktemp("env_uri")
+    shutil.copy(template, tmp / "env.db")
+    shutil.copy(template, tmp / "cli.db")
+    env_uri = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'env.db'}"}
+    procs["env_uri"] = (tmp, start(tmp, "decode", "hydra.job.chdir=false", "-m", "seq=64", "decode.per_branch=false",
+                                   f"hydra.sweep.dir={tmp / 'env'}", name=None, store=False, extra_env=env_uri))
+    procs["cli_uri"] = (tmp, start(tmp, "decode", "seq=64", "decode.per_branch=false", f"tracking.uri=sqlite:///{tmp / 'cli.db'}",
+                                   name="cli", store=False, extra_env=env_uri))
+    tmp = tmp_path_factory.mktemp("git_copy")
+    procs["git_copy"] = (tmp, start(tmp, "decode", "seq=64", "decode.per_branch=false", name="x", template=template,
+                                    repo=_git_copy(tmp)))
+    # The sweep's parent cannot be created (its experiment is deleted): the sweep must not start.
+    tmp = tmp_path_factory.mktemp("parent_fails")
+    shutil.copy(template, tmp / "mlflow.db")
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    c.delete_experiment(c.create_experiment("nsa-decode"))
+    procs["parent_fails"] = (tmp, start(tmp, "decode", "-m", "seq=64,128", name="x"))
+    return _finish(procs, t0)
+
+
+def _finish(procs: dict, t0: float) -> dict:
+    """name -> (tmp, rc, stdout, stderr, seconds from t0 to this process's exit)."""
+
+    def one(item):
+        k, (tmp, p) = item
+        rc, o, e = wait(p)
+        return k, (tmp, rc, o, e, time.perf_counter() - t0)
+
+    with ThreadPoolExecutor(len(procs)) as pool:
+        return dict(pool.map(one, procs.items()))
+
+
+@pytest.fixture(scope="module")
+def store_down_runs(tmp_path_factory):
+    """The store failures alone (after the big batch): their time is the claim under test."""
+    procs, t0 = {}, time.perf_counter()
+    for k, (args, _) in STORE_DOWN.items():
+        tmp = tmp_path_factory.mktemp(k)
+        procs[k] = (tmp, start(tmp, "decode", *args, name=k, store=False))
+    return _finish(procs, t0)
+
+
+@pytest.mark.parametrize("case", ONE_LINE)
+def test_config_errors_are_one_line_and_exit_2(cli_runs, case):
+    tmp, rc, out, err, _ = cli_runs[case]
+    lines = one_line(err)
+    assert rc == 2, (case, err[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("config error:"), (case, err)
+    assert all(s in lines[0] for s in ONE_LINE[case][2]), (case, lines[0])
+    assert not (tmp / "out").exists() and not (tmp / "outputs").exists()  # nothing started, nothing written
+    if (tmp / "mlflow.db").exists():
+        c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+        assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())
+
+
+@pytest.mark.parametrize("case", STORE_DOWN)
+def test_store_failures_are_one_line_in_seconds(store_down_runs, case):
+    tmp, rc, out, err, seconds = store_down_runs[case]
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: tracking store"), (case, err[-2000:])
+    assert all(s in lines[0] for s in STORE_DOWN[case][1]), lines[0]
+    assert seconds < 45  # ~5-10 s on a shared 2-core machine; MLflow alone retried for 107-252 s
+    assert not (tmp / "out").exists() and "Launching" not in out
+
+
+@pytest.mark.parametrize("cmd", documented_commands())
+def test_documented_commands_run_as_written(cli_runs, cmd):
+    tmp, rc, out, err, _ = cli_runs[cmd]
+    if NEEDS_GPU.search(cmd):  # here: refused before anything starts, in one line
+        assert rc == 2 and len(one_line(err)) == 1 and one_line(err)[0].startswith("config error:"), err[-2000:]
+    else:
+        assert rc == 0 and "Traceback" not in err, err[-3000:]
+
+
+def test_documented_commands_cover_the_card_and_every_entry():
+    cmds = documented_commands()
+    assert "python -m experiments.decode " + " ".join(CARD) in cmds  # the design card's
+    assert "python -m experiments.decode hardware=cpu -m seq=256,512" in cmds  # its form, on a CPU
+    assert {c.split()[2] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
+    assert any(not NEEDS_GPU.search(c) and c.split()[2] == f"experiments.{e}" for e in ENTRIES for c in cmds)
+
+
+def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
+    tmp, rc, out, err, _ = cli_runs["python -m experiments.decode " + " ".join(CARD)]
+    assert rc == 2 and one_line(err) == [
+        "config error: hardware=rtx4090 does not match the detected device " + err.split("detected device ")[1].strip()]
+    assert "use hardware=auto, or hardware.strict=false" in err and not (tmp / "outputs").exists()
+
+
+def test_card_command_runs_here_as_written(cli_runs):
+    """``hardware=cpu -m seq=256,512``: overrides before -m, and the end-of-sweep summary."""
+    tmp, rc, out, err, _ = cli_runs["python -m experiments.decode hardware=cpu -m seq=256,512"]
+    assert rc == 0, err[-3000:]
+    c, rs = entrypoints.runs(tmp / "mlflow.db", "decode")
+    parent = next(r for r in rs if "mlflow.parentRunId" not in r.data.tags)
+    kids = {int(r.data.params["seq"]): r for r in rs if "mlflow.parentRunId" in r.data.tags}
+    assert sorted(kids) == [256, 512] and all(r.info.status == "FINISHED" for r in rs)
+    lines = out.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("#  "))
+    table = lines[first:lines.index(next(ln for ln in lines if ln.startswith("outputs:")))]
+    assert table[0].split()[:3] == ["#", "seq", "status"] and table[0].endswith("run id")
+    assert "nsa_p50_ms" in table[0] and "nsa_speedup_vs_dense_x" in table[0]
+    for line, seq in zip(table[1:], (256, 512)):
+        assert line.split()[1:3] == [str(seq), "FINISHED"] and line.split()[-1] == kids[seq].info.run_id
+    (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")
+    assert f"outputs: {sweep_dir.relative_to(tmp)}" in out
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp / 'mlflow.db'}" in out
+    assert f"#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in out
+
+
+def test_cfg_and_help_with_a_sweep(cli_runs):
+    tmp, rc, out, err, _ = cli_runs["python -m experiments.decode -m seq=256,512 --cfg job"]
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    jobs = re.findall(r"^# job (\d): (.*)$", out, re.M)
+    assert jobs == [("0", "seq=256"), ("1", "seq=512")] and out.count("\nseq: 256\n") == 1
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    assert not (tmp / "outputs").exists() and c.get_experiment_by_name("nsa-decode") is None  # shown, not run
+    tmp, rc, out, err, _ = cli_runs["help_sweep"]
+    assert rc == 0 and "Examples" in out and "python -m experiments.decode hardware=cpu -m seq=256,512" in out
+
+
+def test_mlflow_tracking_uri_is_the_store_unless_tracking_uri_is_given(cli_runs):
+    tmp, rc, out, err, _ = cli_runs["env_uri"]
+    assert rc == 0, err[-3000:]
+    assert f"store sqlite:///{tmp / 'env.db'} (MLFLOW_TRACKING_URI)" in err  # the start line names it
+    _, rs = entrypoints.runs(tmp / "env.db", "decode")
+    assert len(rs) == 2 and not (tmp / "mlflow.db").exists()
+    tmp, rc, out, err, _ = cli_runs["cli_uri"]
+    assert rc == 0, err[-3000:]
+    _, rs = entrypoints.runs(tmp / "cli.db", "decode")
+    assert len(rs) == 1 and f"store sqlite:///{tmp / 'cli.db'} (tracking.uri)" in err
+    _, env_runs = entrypoints.runs(tmp / "env.db", "decode")
+    assert len(env_runs) == 2  # only the sweep's
+
+
+def test_git_commit_is_this_projects_only(cli_runs):
+    tmp, rc, out, err, _ = cli_runs["git_copy"]
+    assert rc == 0, err[-3000:]
+    _, (run,) = entrypoints.runs(tmp / "mlflow.db", "decode")
+    assert "git_commit" not in run.data.tags and "mlflow.source.git.commit" not in run.data.tags
+    assert run.data.tags["torch_version"]  # the other environment tags are there
+
+
+def test_sweep_without_a_parent_does_not_start(cli_runs):
+    tmp, rc, out, err, _ = cli_runs["parent_fails"]
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert "cannot create the sweep's parent run" in lines[0] and str(tmp / "mlflow.db") in lines[0]
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = c.get_experiment_by_name("nsa-decode")
+    assert not c.search_runs([exp.experiment_id], run_view_type=3)  # no run at all, deleted or not
+    assert not (tmp / "out").exists() and "Launching" not in out
