@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -68,6 +70,26 @@ def test_cluster_is_up_again_at_once_and_bound_to_loopback(cluster):
     assert ours, ss
     local = [ln.split()[3] for ln in ours]
     assert all(addr.startswith("127.0.0.1:") for addr in local), local
+
+
+def test_readme_cluster_commands_run_as_written(cluster, tmp_path):
+    """The README's cluster block: its run lands FINISHED in the server that `up` printed (its install and
+    up/down lines are .ci/run's and scripts/check_install.py's)."""
+    import mlflow
+
+    readme = (ROOT / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    first, run, last = block.strip().splitlines()
+    assert first.endswith("scripts/cluster.sh up") and last == "scripts/cluster.sh down"
+    assert f"tracking.uri={cluster['MLFLOW_TRACKING_URI']}" in run
+    t0_ms = int(time.time() * 1000)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(shlex.split(run), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    client = mlflow.MlflowClient(tracking_uri=cluster["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("nsa-decode").experiment_id],
+                              filter_string=f"attributes.start_time >= {t0_ms}")
+    assert [x.info.status for x in runs] == ["FINISHED"]
 
 
 # ------------------------------------------------------------------ the per-GPU launcher: pinning and caps
