@@ -74,7 +74,6 @@ export SLURM_CONF=$SLURM_CONF_FILE
 saved() { [ -f "$SETTINGS" ] && sed -n "s/^$1=//p" "$SETTINGS" | tail -1; }
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 port_busy() { ss -Hltn "sport = :$1" | grep -q .; }
 
 # name -> pid file
@@ -92,7 +91,12 @@ SERVICES=(munged mariadbd slurmdbd slurmctld slurmd postgres mlflow)
 pid_of() {  # postmaster.pid holds the pid on its first line
     [ -f "${PIDFILE[$1]}" ] && head -1 "${PIDFILE[$1]}"
 }
-running() { local p; p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
+running() {  # the pid file's process is alive and is that service (not a stale file's reused pid)
+    local p cmd
+    p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && kill -0 "$p" 2>/dev/null || return 1
+    cmd=$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null) || return 1
+    [[ "$cmd" == *"${1/mlflow/mlflow server}"* ]]
+}
 
 wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2 s (and stop if SERVICE exits)
     local t=$1 what=$2 service=; shift 2
@@ -318,8 +322,8 @@ uri_host() { [ "$HOST" = 0.0.0.0 ] && echo 127.0.0.1 || echo "$HOST"; }
 stop() {  # stop NAME...: SIGTERM to each (for mlflow its process group), wait up to 60 s, then SIGKILL
     local name p targets=()
     for name in "$@"; do
-        p=$(pid_of "$name" 2>/dev/null) || continue
-        [ -n "$p" ] && kill -0 "$p" 2>/dev/null || continue
+        running "$name" || continue
+        p=$(pid_of "$name")
         [ "$name" = mlflow ] && p=-$p
         kill -TERM -- "$p" 2>/dev/null || true
         targets+=("$p")
