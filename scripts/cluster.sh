@@ -44,6 +44,7 @@ usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0
 # ---------------------------------------------------------------- options and saved settings
 CMD=${1:-}
 [ -n "$CMD" ] || { usage; exit 2; }
+case "$CMD" in -h|--help|help) usage; exit 0 ;; esac
 shift
 DIR=$REPO/.cluster
 HOST= PORT= WORKERS= PY= FAKE_GPUS= N_OVERHEAD=
@@ -365,6 +366,7 @@ cmd_down() {
         echo "cluster: still running after down: ${left[*]}" >&2
         exit 1
     fi
+    rm -f "$SETTINGS"  # no cluster.env: this state directory's cluster is down (tests skip, not fail)
     say "down in $((SECONDS - t0))s: nothing left running"
 }
 
