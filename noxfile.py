@@ -36,8 +36,8 @@ PAIRINGS: dict[str, dict[str, object]] = {
     "torch2.4+triton3.0": {"torch": "2.4.1", "triton": "3.0.0", "extra": ["numpy<2"]},
     # The H200 box's toolchain (torch 2.11.0+cu130, triton 3.6.0).
     "torch2.11+triton3.6": {"torch": "2.11.0", "triton": "3.6.0", "extra": []},
-    # The newest pairing that installs on the CPU machine: the local torch 2.13.0+cpu wheel with the
-    # triton that torch 2.13.0's CUDA wheels pin (3.7.1). (triton 3.8.0's interpreter also runs the
+    # The newest pairing, the README Quickstart's: torch 2.13.0 (the CPU machine's local +cpu wheel) with
+    # the triton that torch 2.13.0's CUDA wheels pin (3.7.1). (triton 3.8.0's interpreter also runs the
     # kernels; 3.9.0's rejects the selection kernel's masks: "mask has unsupported dtype".)
     "torch2.13+triton3.7": {"torch": "2.13.0", "triton": "3.7.1", "extra": []},
 }

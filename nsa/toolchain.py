@@ -36,7 +36,7 @@ SUPPORTED_PAIRS: tuple[tuple[str, str], ...] = (
     ("2.3", "2.3"),   # oldest supported
     ("2.4", "3.0"),
     ("2.11", "3.6"),  # the H200 box: torch 2.11.0+cu130, triton 3.6.0
-    ("2.13", "3.7"),  # the newest: torch 2.13.0's CUDA wheels pin triton 3.7.1 (the CPU wheel pins none)
+    ("2.13", "3.7"),  # the newest, and the Quickstart's: torch 2.13.0's CUDA wheels pin triton 3.7.1 (the CPU wheel pins none)
 )
 
 # torch major.minor -> the triton major.minor its Linux CUDA wheels pin (==) on PyPI.

@@ -1,0 +1,462 @@
+#!/usr/bin/env bash
+# A single-node SLURM cluster and an MLflow tracking server on PostgreSQL, on this machine, from Debian's
+# packages: sweeps through hydra/launcher=slurm|per_gpu (one job per GPU: SLURM's GRES) into tracking=server.
+#
+#   scripts/cluster.sh install              the Debian packages (root; apt-get update first)
+#   scripts/cluster.sh up [options]         start what is not running; the last line is MLFLOW_TRACKING_URI=...
+#   scripts/cluster.sh status [--dir DIR]   what runs; exit 0 when all of it does, 3 when none does
+#   scripts/cluster.sh down [--dir DIR]     stop all of it (jobs cancelled first); fails if anything is left
+#   scripts/cluster.sh overhead [N] [--dir DIR]   SLURM's overhead: N trivial jobs one by one, then as one array
+#
+# up options:
+#   --dir DIR          state: configs, databases, logs, artifacts (default: <repo>/.cluster)
+#   --host ADDR        address the MLflow server binds (default 127.0.0.1; 0.0.0.0 only if you mean it)
+#   --port N           MLflow server port (default 5000)
+#   --workers N        MLflow server worker processes (default 4)
+#   --python PY        the Python with mlflow and psycopg (pip install -e ".[cluster]"; default: python on PATH)
+#   --fake-gpus N      declare N fake GPUs (character devices like /dev/null) instead of /dev/nvidia[0-9]*:
+#                      for testing the one-job-per-GPU pinning on a machine without GPUs
+#
+# What runs (everything on 127.0.0.1 but the MLflow server, which binds --host):
+#   munged (socket in DIR/munge), MariaDB :3307 + slurmdbd :6819 (SLURM's accounting: sacct, which
+#   submitit reads to see a job end), slurmctld :6817, slurmd :6818 (one node, partition `nsa`, this host's
+#   CPUs, memory and GPUs as GRES gpu), PostgreSQL :5433 (database and role `mlflow`, password in DIR),
+#   and `mlflow server` on PostgreSQL with artifacts proxied into DIR/artifacts.
+# The SLURM clients (sbatch, squeue, sacct) find the cluster through /etc/slurm/slurm.conf, a link to
+# DIR/slurm/slurm.conf made while the cluster is up (only where that path is free or already such a link).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PG_PORT=5433
+DB_PORT=3307
+CTLD_PORT=6817
+SLURMD_PORT=6818
+DBD_PORT=6819
+PARTITION=nsa
+ETC_SLURM_CONF=/etc/slurm/slurm.conf
+DEBIAN_PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server postgresql)
+
+die() { echo "cluster: $*" >&2; exit 2; }
+say() { echo "cluster: $*"; }
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+# ---------------------------------------------------------------- options and saved settings
+CMD=${1:-}
+[ -n "$CMD" ] || { usage; exit 2; }
+case "$CMD" in -h|--help|help) usage; exit 0 ;; esac
+shift
+DIR=$REPO/.cluster
+HOST= PORT= WORKERS= PY= FAKE_GPUS= N_OVERHEAD=
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dir) DIR=${2:?--dir needs a directory}; shift 2 ;;
+        --host) HOST=${2:?--host needs an address}; shift 2 ;;
+        --port) PORT=${2:?--port needs a number}; shift 2 ;;
+        --workers) WORKERS=${2:?--workers needs a number}; shift 2 ;;
+        --python) PY=${2:?--python needs a path}; shift 2 ;;
+        --fake-gpus) FAKE_GPUS=${2:?--fake-gpus needs a number}; shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        [0-9]*) [ "$CMD" = overhead ] || die "unexpected argument '$1'"; N_OVERHEAD=$1; shift ;;
+        *) die "unknown option '$1' (scripts/cluster.sh --help)" ;;
+    esac
+done
+for v in PORT WORKERS FAKE_GPUS N_OVERHEAD; do
+    [ -z "${!v}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "--$(echo "$v" | tr 'A-Z_' 'a-z-') must be a whole number, got '${!v}'"
+done
+mkdir -p "$DIR" 2>/dev/null || die "cannot create the state directory $DIR"
+DIR=$(cd "$DIR" && pwd)
+SETTINGS=$DIR/cluster.env
+SLURM_CONF_FILE=$DIR/slurm/slurm.conf
+export SLURM_CONF=$SLURM_CONF_FILE
+
+# The settings of the last `up` (host, port, workers, python, fake GPUs) are kept in DIR/cluster.env, so
+# that status/down/up-again see the cluster as it was started.
+saved() { [ -f "$SETTINGS" ] && sed -n "s/^$1=//p" "$SETTINGS" | tail -1; }
+
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
+port_busy() { ss -Hltn "sport = :$1" | grep -q .; }
+
+# name -> pid file
+declare -A PIDFILE=(
+    [munged]=$DIR/munge/munged.pid
+    [mariadbd]=$DIR/mariadb/mariadbd.pid
+    [slurmdbd]=$DIR/slurm/slurmdbd.pid
+    [slurmctld]=$DIR/slurm/slurmctld.pid
+    [slurmd]=$DIR/slurm/slurmd.pid
+    [postgres]=$DIR/postgres/data/postmaster.pid
+    [mlflow]=$DIR/mlflow/server.pid
+)
+SERVICES=(munged mariadbd slurmdbd slurmctld slurmd postgres mlflow)
+
+pid_of() {  # postmaster.pid holds the pid on its first line
+    [ -f "${PIDFILE[$1]}" ] && head -1 "${PIDFILE[$1]}"
+}
+running() {  # the pid file's process is alive and is that service (not a stale file's reused pid)
+    local p cmd
+    p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && kill -0 "$p" 2>/dev/null || return 1
+    cmd=$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null) || return 1
+    [[ "$cmd" == *"${1/mlflow/mlflow server}"* ]]
+}
+
+wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2 s (and stop if SERVICE exits)
+    local t=$1 what=$2 service=; shift 2
+    [ "$1" = --pid ] && { service=$2; shift 2; }
+    local end=$((SECONDS + t))
+    until "$@" >/dev/null 2>&1; do
+        [ -z "$service" ] || running "$service" || die "$what exited (logs in $DIR)"
+        [ $SECONDS -lt $end ] || die "$what did not come up within ${t}s (logs in $DIR)"
+        sleep 0.2
+    done
+}
+
+secret() {  # secret FILE: a random password kept in FILE (0600)
+    [ -s "$1" ] || (umask 077 && head -c 24 /dev/urandom | base64 | tr -d '/+=' > "$1")
+    cat "$1"
+}
+
+# ---------------------------------------------------------------- services
+start_munge() {
+    running munged && return
+    install -d -m 711 "$DIR/munge"
+    install -d -m 700 "$DIR/munge/private"
+    [ -s "$DIR/munge/private/munge.key" ] || (umask 077 && head -c 128 /dev/urandom > "$DIR/munge/private/munge.key")
+    chmod 400 "$DIR/munge/private/munge.key"
+    munged --key-file="$DIR/munge/private/munge.key" --socket="$DIR/munge/munge.socket.2" \
+        --pid-file="${PIDFILE[munged]}" --log-file="$DIR/munge/private/munged.log" \
+        --seed-file="$DIR/munge/private/munged.seed" \
+        || die "munged failed: $(tail -2 "$DIR/munge/private/munged.log" 2>/dev/null)"
+    wait_for 10 munged test -S "$DIR/munge/munge.socket.2"
+}
+
+mariadb_sql() { mariadb --no-defaults --socket="$DIR/mariadb/mysqld.sock" -u root -e "$1"; }
+
+start_mariadb() {
+    running mariadbd && return
+    port_busy "$DB_PORT" && die "port $DB_PORT (MariaDB, SLURM's accounting) is taken by another program"
+    install -d -o mysql -g mysql -m 700 "$DIR/mariadb"
+    if [ ! -d "$DIR/mariadb/data/mysql" ]; then
+        mariadb-install-db --no-defaults --datadir="$DIR/mariadb/data" --user=mysql --skip-test-db \
+            --auth-root-authentication-method=socket > "$DIR/mariadb/install.log" 2>&1 \
+            || die "mariadb-install-db failed (see $DIR/mariadb/install.log)"
+    fi
+    setsid mariadbd --no-defaults --user=mysql --datadir="$DIR/mariadb/data" \
+        --socket="$DIR/mariadb/mysqld.sock" --pid-file="${PIDFILE[mariadbd]}" \
+        --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
+        --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
+        --log-error="$DIR/mariadb/error.log" < /dev/null > /dev/null 2>&1 &
+    wait_for 60 MariaDB test -S "$DIR/mariadb/mysqld.sock"
+    wait_for 30 MariaDB mariadb_sql "SELECT 1"
+    local pw; pw=$(secret "$DIR/slurm/db.password")
+    mariadb_sql "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
+                 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+}
+
+write_slurm_conf() {
+    local node cpus mem_mb gres="" devices=()
+    node=$(hostname -s)
+    cpus=$(nproc)
+    mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
+    if [ -n "$FAKE_GPUS" ] && [ "$FAKE_GPUS" -gt 0 ]; then
+        install -d "$DIR/dev"
+        for ((i = 0; i < FAKE_GPUS; i++)); do
+            [ -c "$DIR/dev/nvidia$i" ] || mknod "$DIR/dev/nvidia$i" c 1 3  # the device numbers of /dev/null
+            devices+=("$DIR/dev/nvidia$i")
+        done
+    elif [ -z "$FAKE_GPUS" ]; then
+        for d in /dev/nvidia[0-9]*; do [ -c "$d" ] && devices+=("$d"); done
+    fi
+    {
+        echo "# written by scripts/cluster.sh: one node ($node), GRES gpu = ${devices[*]:-none}"
+        for d in "${devices[@]}"; do echo "NodeName=$node Name=gpu File=$d"; done
+    } > "$DIR/slurm/gres.conf"
+    [ ${#devices[@]} -gt 0 ] && gres="Gres=gpu:${#devices[@]}"
+    cat > "$SLURM_CONF_FILE" <<EOF
+# written by scripts/cluster.sh (state in $DIR): a single-node cluster on 127.0.0.1
+ClusterName=nsa
+SlurmctldHost=$node(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$DIR/munge/munge.socket.2
+# bind 127.0.0.1 (NodeAddr, SlurmctldHost) instead of every address
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$SLURMD_PORT
+StateSaveLocation=$DIR/slurm/state
+SlurmdSpoolDir=$DIR/slurm/spool
+SlurmctldPidFile=${PIDFILE[slurmctld]}
+SlurmdPidFile=${PIDFILE[slurmd]}
+SlurmctldLogFile=$DIR/slurm/log/slurmctld.log
+SlurmdLogFile=$DIR/slurm/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/backfill
+# start a job as soon as resources free up (the default waits up to 3 s to batch scheduling)
+SchedulerParameters=batch_sched_delay=0
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=$((mem_mb / cpus))
+ReturnToService=2
+JobCompType=jobcomp/none
+MailProg=/bin/true
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT
+# for slurmdbd, the "password" is the munge socket
+AccountingStoragePass=$DIR/munge/munge.socket.2
+AccountingStorageTRES=gres/gpu
+GresTypes=gpu
+NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb $gres State=UNKNOWN
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+    (umask 077 && cat > "$DIR/slurm/slurmdbd.conf" <<EOF
+# written by scripts/cluster.sh: SLURM's accounting in MariaDB on 127.0.0.1:$DB_PORT
+AuthType=auth/munge
+AuthInfo=socket=$DIR/munge/munge.socket.2
+DbdAddr=127.0.0.1
+DbdHost=localhost
+CommunicationParameters=NoInAddrAny
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=${PIDFILE[slurmdbd]}
+LogFile=$DIR/slurm/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$(cat "$DIR/slurm/db.password")
+StorageLoc=slurm_acct_db
+EOF
+    )
+}
+
+link_etc_slurm_conf() {
+    if [ -L "$ETC_SLURM_CONF" ] || [ ! -e "$ETC_SLURM_CONF" ]; then
+        local target; target=$(readlink "$ETC_SLURM_CONF" 2>/dev/null || true)
+        if [ -n "$target" ] && [ "$target" != "$SLURM_CONF_FILE" ] && [ -e "$target" ] \
+            && grep -q "written by scripts/cluster.sh" "$target" \
+            && [ -f "$(dirname "$target")/slurmctld.pid" ] && kill -0 "$(cat "$(dirname "$target")/slurmctld.pid")" 2>/dev/null; then
+            die "another cluster is up ($target): scripts/cluster.sh down --dir $(dirname "$(dirname "$target")")"
+        fi
+        install -d "$(dirname "$ETC_SLURM_CONF")"
+        ln -sfn "$SLURM_CONF_FILE" "$ETC_SLURM_CONF"
+    else
+        say "$ETC_SLURM_CONF is this host's own: SLURM's clients need SLURM_CONF=$SLURM_CONF_FILE"
+    fi
+}
+
+start_slurm() {
+    install -d "$DIR/slurm/state" "$DIR/slurm/spool" "$DIR/slurm/log"
+    secret "$DIR/slurm/db.password" > /dev/null
+    running slurmctld || write_slurm_conf
+    link_etc_slurm_conf
+    start_mariadb
+    if ! running slurmdbd; then
+        port_busy "$DBD_PORT" && die "port $DBD_PORT (slurmdbd) is taken by another program"
+        slurmdbd || die "slurmdbd failed: $(tail -3 "$DIR/slurm/log/slurmdbd.log" 2>/dev/null)"
+        wait_for 60 slurmdbd port_busy "$DBD_PORT"
+    fi
+    if ! running slurmctld; then
+        port_busy "$CTLD_PORT" && die "port $CTLD_PORT (slurmctld) is taken by another program"
+        slurmctld -f "$SLURM_CONF_FILE" || die "slurmctld failed: $(tail -3 "$DIR/slurm/log/slurmctld.log" 2>/dev/null)"
+        wait_for 60 slurmctld scontrol ping
+    fi
+    if ! running slurmd; then
+        port_busy "$SLURMD_PORT" && die "port $SLURMD_PORT (slurmd) is taken by another program"
+        slurmd -f "$SLURM_CONF_FILE" || die "slurmd failed: $(tail -3 "$DIR/slurm/log/slurmd.log" 2>/dev/null)"
+    fi
+    wait_for 60 "the SLURM node" node_ready
+}
+
+node_ready() { sinfo -h -N -o '%T' | grep -q -E '^(idle|mixed|allocated)'; }
+
+pg() { runuser -u postgres -- "$(pg_bin)/$1" "${@:2}"; }
+psql_admin() { runuser -u postgres -- psql -X -q -h "$DIR/postgres" -p "$PG_PORT" -d postgres -v ON_ERROR_STOP=1 "$@"; }
+
+start_postgres() {
+    running postgres && return
+    port_busy "$PG_PORT" && die "port $PG_PORT (PostgreSQL) is taken by another program"
+    install -d -o postgres -g postgres -m 700 "$DIR/postgres"
+    if [ ! -f "$DIR/postgres/data/PG_VERSION" ]; then
+        pg initdb -D "$DIR/postgres/data" -U postgres --auth-local=peer --auth-host=scram-sha-256 \
+            > "$DIR/postgres/initdb.log" 2>&1 || die "initdb failed (see $DIR/postgres/initdb.log)"
+    fi
+    pg pg_ctl -D "$DIR/postgres/data" -l "$DIR/postgres/postgres.log" -w -t 60 \
+        -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $DIR/postgres -c max_connections=200" start > /dev/null \
+        || die "PostgreSQL failed: $(tail -3 "$DIR/postgres/postgres.log")"
+    local pw; pw=$(secret "$DIR/mlflow.pgpassword")
+    if [ "$(psql_admin -tA -c "SELECT 1 FROM pg_roles WHERE rolname = 'mlflow'")" != 1 ]; then
+        psql_admin -c "CREATE ROLE mlflow LOGIN PASSWORD '$pw'"
+        psql_admin -c "CREATE DATABASE mlflow OWNER mlflow"
+    fi
+}
+
+start_mlflow() {
+    running mlflow && return
+    port_busy "$PORT" && die "port $PORT (MLflow server) is taken by another program: --port N"
+    "$PY" -c "import mlflow, psycopg" 2>/dev/null \
+        || die "$PY cannot import mlflow and psycopg: pip install -e \".[cluster]\" (or --python PY)"
+    install -d -m 700 "$DIR/mlflow"
+    install -d "$DIR/artifacts"
+    (umask 077 && echo "127.0.0.1:$PG_PORT:mlflow:mlflow:$(cat "$DIR/mlflow.pgpassword")" > "$DIR/mlflow/pgpass")
+    # The password reaches libpq through PGPASSFILE, not the command line (ps shows that). Telemetry off:
+    # a cluster's server has no business calling out (see the README's MLflow part). No job execution:
+    # MLflow's server-side GenAI jobs (scorers, trace roll-ups) would add 7 worker processes (~0.8 GB).
+    PGPASSFILE=$DIR/mlflow/pgpass MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
+        setsid "$PY" -m mlflow server \
+        --backend-store-uri "postgresql+psycopg://mlflow@127.0.0.1:$PG_PORT/mlflow" \
+        --artifacts-destination "$DIR/artifacts" --serve-artifacts \
+        --host "$HOST" --port "$PORT" --workers "$WORKERS" \
+        < /dev/null > "$DIR/mlflow/server.log" 2>&1 &
+    echo $! > "${PIDFILE[mlflow]}"
+    wait_for 120 "the MLflow server" --pid mlflow curl -sf -m 2 "http://$(uri_host):$PORT/health" \
+        || die "the MLflow server did not start: $(tail -3 "$DIR/mlflow/server.log")"
+}
+
+uri_host() { [ "$HOST" = 0.0.0.0 ] && echo 127.0.0.1 || echo "$HOST"; }
+
+# ---------------------------------------------------------------- stopping
+stop() {  # stop NAME...: SIGTERM to each (for mlflow its process group), wait up to 60 s, then SIGKILL
+    local name p targets=()
+    for name in "$@"; do
+        running "$name" || continue
+        p=$(pid_of "$name")
+        [ "$name" = mlflow ] && p=-$p
+        kill -TERM -- "$p" 2>/dev/null || true
+        targets+=("$p")
+    done
+    local end=$((SECONDS + 60)) t
+    for t in "${targets[@]}"; do
+        while kill -0 -- "$t" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.1; done
+        if kill -0 -- "$t" 2>/dev/null; then
+            say "pid ${t#-} did not stop within 60s: SIGKILL"
+            kill -KILL -- "$t" 2>/dev/null || true
+        fi
+    done
+}
+
+cmd_down() {
+    local t0=$SECONDS
+    if running slurmctld; then
+        local jobs; jobs=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ')
+        if [ -n "${jobs// /}" ]; then
+            say "cancelling jobs $jobs"
+            # shellcheck disable=SC2086
+            scancel $jobs 2>/dev/null || true
+            local end=$((SECONDS + 60))
+            while [ -n "$(squeue -h 2>/dev/null)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
+        fi
+    fi
+    # In three waves, each stopped at once: the clients of a service go before it.
+    stop mlflow slurmd slurmctld
+    stop postgres slurmdbd  # postgres: SIGTERM is its "smart" shutdown; no client is left
+    stop mariadbd munged
+    if [ -L "$ETC_SLURM_CONF" ] && [ "$(readlink "$ETC_SLURM_CONF")" = "$SLURM_CONF_FILE" ]; then
+        rm -f "$ETC_SLURM_CONF"
+    fi
+    local left=() s
+    for s in "${SERVICES[@]}"; do running "$s" && left+=("$s($(pid_of "$s"))"); done
+    local steps; steps=$(pgrep -x slurmstepd | tr '\n' ' ' || true)
+    [ -n "$steps" ] && left+=("slurmstepd($steps)")
+    if [ ${#left[@]} -gt 0 ]; then
+        echo "cluster: still running after down: ${left[*]}" >&2
+        exit 1
+    fi
+    rm -f "$SETTINGS"  # no cluster.env: this state directory's cluster is down (tests skip, not fail)
+    say "down in $((SECONDS - t0))s: nothing left running"
+}
+
+# ---------------------------------------------------------------- status, overhead
+cmd_status() {
+    local n=0 s
+    for s in "${SERVICES[@]}"; do
+        if running "$s"; then say "$s running (pid $(pid_of "$s"))"; n=$((n + 1)); else say "$s stopped"; fi
+    done
+    if [ "$n" -eq "${#SERVICES[@]}" ]; then
+        sinfo -h -N -o 'cluster: node %N %T, cpus %c, gres %G, partition %P' 2>/dev/null || true
+        echo "SLURM_CONF=$SLURM_CONF_FILE"
+        echo "MLFLOW_TRACKING_URI=http://$(uri_host):$PORT"
+        return 0
+    fi
+    [ "$n" -eq 0 ] && return 3
+    return 1
+}
+
+now() { date +%s.%N; }
+wait_gone() { while [ -n "$(squeue -h -j "$1" 2>/dev/null)" ]; do sleep 0.05; done; }
+
+cmd_overhead() {  # trivial jobs (each prints its start time); polled with squeue every 0.05 s
+    local n=${N_OVERHEAD:-16} out=$DIR/overhead t0 t1 id i lat=0 run=0
+    running slurmctld || die "the cluster is not up (scripts/cluster.sh up)"
+    rm -rf "$out" && mkdir -p "$out"
+    for ((i = 0; i < n; i++)); do
+        t0=$(now)
+        id=$(sbatch --parsable -o "$out/%j.out" -c 1 --wrap 'date +%s.%N')
+        wait_gone "$id"
+        t1=$(now)
+        lat=$(awk -v a="$t0" -v b="$t1" -v s="$lat" 'BEGIN { print s + b - a }')
+        run=$(awk -v a="$t0" -v b="$(cat "$out/$id.out")" -v s="$run" 'BEGIN { print s + b - a }')
+    done
+    awk -v l="$lat" -v r="$run" -v n="$n" 'BEGIN { printf "cluster: %d trivial jobs one after another: %.2f s from sbatch to the job gone from squeue (%.2f s to its start)\n", n, l / n, r / n }'
+    t0=$(now)
+    id=$(sbatch --parsable -o "$out/%A_%a.out" -c 1 --array="0-$((n - 1))" --wrap 'date +%s.%N')
+    wait_gone "$id"
+    t1=$(now)
+    awk -v a="$t0" -v b="$t1" -v n="$n" -v c="$(nproc)" 'BEGIN { printf "cluster: an array of %d trivial jobs on %d cpus: %.2f s from sbatch to the last one gone, %.2f s per job\n", n, c, b - a, (b - a) / n }'
+}
+
+# ---------------------------------------------------------------- main
+need_root() { [ "$(id -u)" -eq 0 ] || die "$CMD needs root (SLURM's daemons, the database users, apt-get)"; }
+
+case "$CMD" in
+    install)
+        need_root
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${DEBIAN_PACKAGES[@]}" > /dev/null
+        say "installed ${DEBIAN_PACKAGES[*]}"
+        ;;
+    up)
+        need_root
+        t0=$SECONDS
+        for b in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch runuser; do
+            command -v "$b" > /dev/null || die "$b is missing: scripts/cluster.sh install"
+        done
+        [ -n "$(pg_bin)" ] || die "PostgreSQL is missing: scripts/cluster.sh install"
+        for u in postgres mysql; do
+            runuser -u "$u" -- test -x "$DIR" \
+                || die "user $u cannot reach $DIR: choose a --dir whose parent directories others may enter"
+        done
+        any=0; for s in "${SERVICES[@]}"; do running "$s" && any=1; done
+        if [ "$any" = 1 ]; then  # up again: the settings it was started with, unless asked otherwise
+            for v in HOST PORT WORKERS PY FAKE_GPUS; do
+                old=$(saved "$v"); new=${!v}
+                if [ -n "$new" ] && [ "$new" != "$old" ]; then
+                    die "the cluster in $DIR is up with $v=${old:-<none>}: scripts/cluster.sh down first to change it"
+                fi
+                printf -v "$v" '%s' "$old"
+            done
+        fi
+        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000} WORKERS=${WORKERS:-4} PY=${PY:-$(command -v python || command -v python3)}
+        PY=$(command -v "$PY" || echo "$PY")
+        printf 'HOST=%s\nPORT=%s\nWORKERS=%s\nPY=%s\nFAKE_GPUS=%s\n' "$HOST" "$PORT" "$WORKERS" "$PY" "$FAKE_GPUS" > "$SETTINGS"
+        t=$SECONDS; start_munge; start_slurm; t_slurm=$((SECONDS - t))
+        t=$SECONDS; start_postgres; t_pg=$((SECONDS - t))
+        t=$SECONDS; start_mlflow; t_mlflow=$((SECONDS - t))
+        say "up in $((SECONDS - t0))s (munge+SLURM ${t_slurm}s, PostgreSQL ${t_pg}s, MLflow ${t_mlflow}s); state in $DIR"
+        cmd_status | grep -v -E '^cluster: .* running'
+        ;;
+    status|down|overhead)
+        HOST=$(saved HOST) PORT=$(saved PORT)
+        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000}
+        case "$CMD" in
+            status) cmd_status ;;
+            down) need_root; cmd_down ;;
+            overhead) cmd_overhead ;;
+        esac
+        ;;
+    *) die "unknown command '$CMD' (install, up, status, down, overhead)" ;;
+esac
