@@ -24,6 +24,9 @@ CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's
 ENTRIES = ("decode", "prefill", "parity")
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
+# Commands against the team server run where the server runs: tests/test_cluster.py runs the README's
+# cluster block as written against `scripts/cluster.sh up` (CI starts it).
+NEEDS_CLUSTER = re.compile(r"tracking=server\b|hydra/launcher=(slurm|per_gpu)\b")
 
 
 def documented_commands() -> list[str]:
@@ -40,6 +43,11 @@ def documented_commands() -> list[str]:
         if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
             cmds.add("python " + seg.split(" ", 1)[1])
     return sorted(cmds)
+
+
+def local_commands() -> list[str]:
+    """The documented commands this test module runs (the cluster's run in tests/test_cluster.py)."""
+    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c)]
 
 
 def test_overrides_move_in_front_of_the_flags():
@@ -97,7 +105,7 @@ def cli_runs(tmp_path_factory):
     for k, (entry, args, _) in ONE_LINE.items():
         tmp = tmp_path_factory.mktemp(k)
         procs[k] = (tmp, start(tmp, entry, *args, name=k))
-    for cmd in documented_commands():  # as written, each in a directory of its own (the default store)
+    for cmd in local_commands():  # as written, each in a directory of its own (the default store)
         tmp = tmp_path_factory.mktemp("doc")
         shutil.copy(template, tmp / "mlflow.db")
         procs[cmd] = (tmp, subprocess.Popen([sys.executable, *cmd.split()[1:]], cwd=tmp, env=entrypoints.env(),
@@ -171,7 +179,7 @@ def test_store_failures_are_one_line_in_seconds(store_down_runs, case):
     assert not (tmp / "out").exists() and "Launching" not in out
 
 
-@pytest.mark.parametrize("cmd", documented_commands())
+@pytest.mark.parametrize("cmd", local_commands())
 def test_documented_commands_run_as_written(cli_runs, cmd):
     tmp, rc, out, err, _ = cli_runs[cmd]
     if NEEDS_GPU.search(cmd):  # here: refused before anything starts, in one line
@@ -186,6 +194,10 @@ def test_documented_commands_cover_the_card_and_every_entry():
     assert "python -m experiments.decode hardware=cpu -m seq=256,512" in cmds  # its form, on a CPU
     assert {c.split()[2] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
     assert any(not NEEDS_GPU.search(c) and c.split()[2] == f"experiments.{e}" for e in ENTRIES for c in cmds)
+    # every cluster command is the README cluster block's run line, which tests/test_cluster.py runs
+    readme = (REPO / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
+    block = " ".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).split("\n")
+    assert all(c in [" ".join(ln.split()) for ln in block] for c in cmds if NEEDS_CLUSTER.search(c))
 
 
 def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
