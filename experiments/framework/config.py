@@ -64,6 +64,8 @@ RULES = {
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
+    "kernels.batch": _INT1, "kernels.warmup_ms": _POSITIVE, "kernels.rep_ms": _POSITIVE, "kernels.cpu_repeats": _INT1,
+    "kernels.check_seq": _INT1, "kernels.backward": _BOOL, "kernels.once": _BOOL, "kernels.peers": _BOOL,
 }
 TOLERANCES = ("max_abs", "rel_l2", "index_mismatch", "near_tie_rel")  # parity.tol.<dtype>.<name>: numbers >= 0
 
@@ -103,6 +105,17 @@ def check_types(cfg: DictConfig) -> None:
                 raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
 
 
+def check_tuning(node: DictConfig) -> None:
+    """``tuning`` ({op: {key: value}}, applied with ``nsa.backends.triton.tuning.overrides``): every op,
+    key and value known to ``tuning.validate``."""
+    from nsa.backends.triton import tuning
+
+    try:
+        tuning.validate(OmegaConf.to_container(node, resolve=True))
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from e
+
+
 def branches_used(entry: str, branch: str) -> tuple[str, ...]:
     """The branches whose backend a job runs. decode and prefill always run the compressed branch's
     scoring (the selected blocks count the tokens read); parity runs only the forced branch (and
@@ -137,6 +150,8 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
     check_types(cfg)
+    if "tuning" in cfg:
+        check_tuning(cfg.tuning)
     seq = cfg.seq
     # Hardware: auto -> detected profile; a strict profile must match the device.
     try:
