@@ -112,7 +112,7 @@ def work(job: Job) -> Result:
             tok = measure.variant_tokens(branch if v == "nsa" else v, parts)
         flop = 2.0 * (c.d_k + c.d_v) * c.G * float(tok.sum())
         q = times[v]
-        row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+        row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch, "query_heads_per_group_G": c.G,
                "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
                "dtype": str(dt).replace("torch.", ""), **q,
                "kv_tokens_per_query_per_group": float(tok.double().mean()),
