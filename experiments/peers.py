@@ -48,7 +48,7 @@ def fla_unavailable(c: NSAConfig, device: torch.device) -> str | None:
         return f"fla needs G = n_heads / n_kv_heads >= 16 and a power of two (G={G})"
     if not c.l == c.d == c.l_sel:
         return (f"fla compresses blocks of l = d = l_sel (got l={c.l}, d={c.d}, l_sel={c.l_sel}; "
-                f"model.nsa.l={c.l_sel} model.nsa.d={c.l_sel} runs it)")
+                f"model=h200bench64, or model.nsa.l={c.l_sel} model.nsa.d={c.l_sel}, runs it)")
     if (c.n_init, c.n_local) != (1, 2):
         return f"fla always selects the first block and the 2 newest (got n_init={c.n_init}, n_local={c.n_local})"
     if importlib.util.find_spec("fla") is None:
