@@ -12,7 +12,9 @@ t = seq-1, which attends to seq keys (so the paper's count at S = seq applies). 
   with branch_force applied through ``measure.ForcedBranch``;
 * ``nsa``: the attention core, all three branches gated (branch_force=none), or the forced branch;
 * ``cmp``/``sel``/``win``: each branch alone (with branch_force=none and decode.per_branch);
-* ``dense``: torch SDPA decode over seq keys with the same heads and dims.
+* ``dense``: torch SDPA decode over seq keys with the same heads and dims;
+* the public NSA kernels of ``decode.peers`` (``experiments.peers``: ``fla``, on the same query, gates and
+  cache, where it can run the shape; else a tag ``peer_fla`` says why).
 
 Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
 batch and groups), beside the paper's formula; bytes are summed over batch and groups.
@@ -28,7 +30,7 @@ from omegaconf import DictConfig
 from nsa import NSAAttention
 from nsa.decode import GraphDecoder
 
-from . import measure
+from . import measure, peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BRANCHES = ("cmp", "sel", "win")
@@ -53,7 +55,7 @@ def work(job: Job) -> Result:
     elem = torch.empty((), dtype=dt).element_size()
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     step_layer = layer if branch == "none" else measure.ForcedBranch(layer, branch)
-    rows, metrics = [], {}
+    rows, metrics, tags = [], {}, {}
     # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
     # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
     graphs = bool(d.cuda_graph) and dev.type == "cuda"
@@ -121,11 +123,20 @@ def work(job: Job) -> Result:
         fn = measure.graph_step(dense, dev) if graphs else dense
         times["dense"] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
         progress(len(timed), "dense", times["dense"])
+        peer = peers.rows(d.peers, inp, c, dev, tags)
+        for v, p in peer.items():
+            timed.append(v)
+            times[v] = measure.quantiles(measure.time_ms(measure.graph_step(p.fn, dev) if graphs else p.fn, dev,
+                                                         d.warmup, d.repeats))
+            progress(len(timed), v, times[v])
 
     for v in timed:
         if v == "dense":
             tok = torch.full((B, 1, c.n_kv_heads), S)
             formula = S
+        elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
+            tok = S + sum(parts[b] for b in peer[v].branches).cpu()
+            formula = measure.formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
         else:
             what = branch if v in ("layer", "nsa") else v
             tok = measure.variant_tokens(what, parts).cpu()
@@ -154,7 +165,8 @@ def work(job: Job) -> Result:
     headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
                 "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
                 "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
-    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")))
+    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")),
+                  tags=tags)
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import nsa
@@ -56,14 +56,18 @@ def one_line(e: BaseException) -> str:
 
 
 # Typed keys of each section (checked where the section exists: decode.* only for the decode entry).
+PEERS = ("fla",)  # public NSA kernels with a row in prefill and decode (experiments/peers.py)
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
+_PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.peers": _PEERS, "prefill.peers": _PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
+    "kernels.batch": _INT1, "kernels.warmup_ms": _POSITIVE, "kernels.rep_ms": _POSITIVE, "kernels.cpu_repeats": _INT1,
+    "kernels.check_seq": _INT1, "kernels.backward": _BOOL, "kernels.once": _BOOL, "kernels.peers": _BOOL,
 }
 TOLERANCES = ("max_abs", "rel_l2", "index_mismatch", "near_tie_rel")  # parity.tol.<dtype>.<name>: numbers >= 0
 
@@ -75,6 +79,8 @@ def _is_int(v) -> bool:
 def _valid(v, rule: str) -> bool:
     if rule == _BOOL:
         return isinstance(v, bool)
+    if rule == _PEERS:
+        return isinstance(v, ListConfig) and all(x in PEERS for x in v)
     if rule == _POSITIVE:
         return (_is_int(v) or isinstance(v, float)) and v > 0
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
@@ -101,6 +107,17 @@ def check_types(cfg: DictConfig) -> None:
             v = tol.get(k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
+
+
+def check_tuning(node: DictConfig) -> None:
+    """``tuning`` ({op: {key: value}}, applied with ``nsa.backends.triton.tuning.overrides``): every op,
+    key and value known to ``tuning.validate``."""
+    from nsa.backends.triton import tuning
+
+    try:
+        tuning.validate(OmegaConf.to_container(node, resolve=True))
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from e
 
 
 def branches_used(entry: str, branch: str) -> tuple[str, ...]:
@@ -137,6 +154,8 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
     check_types(cfg)
+    if "tuning" in cfg:
+        check_tuning(cfg.tuning)
     seq = cfg.seq
     # Hardware: auto -> detected profile; a strict profile must match the device.
     try:
