@@ -60,7 +60,7 @@ _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or 
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.graph_reps": _INT1,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
