@@ -209,3 +209,30 @@ def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str):
 def param(case: Case, *rest):
     """A pytest parameter of a case (and more values), named after the case."""
     return pytest.param(case, *rest, id="-".join([case.id, *map(str, rest)]))
+
+
+def tests(cases, device: str, dtype, ref_dtype, tol: Tol, win_backends, layer_params):
+    """A test module's four tests over its cases (``test_cmp, test_sel, test_win, test_layer = tests(...)``):
+    each branch on every case (the window on each of ``win_backends``), and the layer on ``layer_params``
+    (``param(case, window backend)``), each marked with the kernel it checks."""
+    @pytest.mark.kernel("cmp")
+    @pytest.mark.parametrize("case", [param(c) for c in cases])
+    def test_cmp(case):
+        cmp_branch(case, device, dtype, ref_dtype, tol)
+
+    @pytest.mark.kernel("sel")
+    @pytest.mark.parametrize("case", [param(c) for c in cases])
+    def test_sel(case):
+        sel_branch(case, device, dtype, ref_dtype, tol)
+
+    @pytest.mark.kernel("win")
+    @pytest.mark.parametrize("case,backend", [param(c, b) for c in cases for b in win_backends])
+    def test_win(case, backend):
+        win_branch(case, device, dtype, ref_dtype, tol, backend)
+
+    @pytest.mark.kernel("layer")
+    @pytest.mark.parametrize("case,win", layer_params)
+    def test_layer(case, win):
+        layer(case, device, dtype, ref_dtype, tol, win)
+
+    return test_cmp, test_sel, test_win, test_layer

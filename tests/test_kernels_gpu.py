@@ -44,27 +44,6 @@ CASES = [
     kc.Case(B=2, T=131_149, H=4, G=16, Dk=192, Dv=128, blocks=PAPER, rows=256),
 ]
 
-
-@pytest.mark.kernel("cmp")
-@pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
-def test_cmp(case):
-    kc.cmp_branch(case, "cuda", BF16, F32, TOL)
-
-
-@pytest.mark.kernel("sel")
-@pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
-def test_sel(case):
-    kc.sel_branch(case, "cuda", BF16, F32, TOL)
-
-
-@pytest.mark.kernel("win")
-@pytest.mark.parametrize("case,backend", [kc.param(c, b) for c in CASES for b in kc.WIN_BACKENDS])
-def test_win(case, backend):
-    kc.win_branch(case, "cuda", BF16, F32, TOL, backend)
-
-
-@pytest.mark.kernel("layer")
-@pytest.mark.parametrize("case,win", [kc.param(c, "triton") for c in CASES] +
-                         [kc.param(PAPER_G16, b) for b in ("sdpa", "fa2")])
-def test_layer(case, win):
-    kc.layer(case, "cuda", BF16, F32, TOL, win)
+test_cmp, test_sel, test_win, test_layer = kc.tests(
+    CASES, "cuda", BF16, F32, TOL, kc.WIN_BACKENDS,
+    [kc.param(c, "triton") for c in CASES] + [kc.param(PAPER_G16, b) for b in ("sdpa", "fa2")])

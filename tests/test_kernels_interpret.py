@@ -44,27 +44,5 @@ CASES = [
 ]
 WIN = ("triton", "sdpa")
 
-
-@pytest.mark.kernel("cmp")
-@pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
-def test_cmp(case):
-    kc.cmp_branch(case, "cpu", F32, F64, TOL)
-
-
-@pytest.mark.kernel("sel")
-@pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
-def test_sel(case):
-    kc.sel_branch(case, "cpu", F32, F64, TOL)
-
-
-@pytest.mark.kernel("win")
-@pytest.mark.parametrize("case,backend", [kc.param(c, b) for c in CASES for b in WIN])
-def test_win(case, backend):
-    kc.win_branch(case, "cpu", F32, F64, TOL, backend)
-
-
-@pytest.mark.kernel("layer")
-@pytest.mark.parametrize("case,win", [kc.param(CASES[0], "triton"), kc.param(CASES[4], "triton"),
-                                      kc.param(CASES[2], "sdpa")])
-def test_layer(case, win):
-    kc.layer(case, "cpu", F32, F64, TOL, win)
+test_cmp, test_sel, test_win, test_layer = kc.tests(
+    CASES, "cpu", F32, F64, TOL, WIN, [kc.param(CASES[0], "triton"), kc.param(CASES[4], "triton"), kc.param(CASES[2], "sdpa")])
