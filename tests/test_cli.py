@@ -21,13 +21,15 @@ from omegaconf import OmegaConf
 from experiments.framework import cli
 
 CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's command
-ENTRIES = ("decode", "prefill", "parity", "kernels")
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate")
 INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
 # Commands against the team server run where the server runs: tests/test_cluster.py runs the README's
 # cluster block as written against `scripts/cluster.sh up` (CI starts it).
 NEEDS_CLUSTER = re.compile(r"tracking=server\b|hydra/launcher=(slurm|per_gpu)\b")
+# experiments.validate on the CPU takes minutes: tests/test_validate.py runs its documented commands.
+RUN_BY_TEST_VALIDATE = re.compile(r"experiments\.validate hardware=cpu\b")
 
 
 def documented_commands() -> list[str]:
@@ -55,7 +57,7 @@ def argv(cmd: str) -> tuple[list[str], dict]:
 
 def local_commands() -> list[str]:
     """The documented commands this test module runs (the cluster's run in tests/test_cluster.py)."""
-    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c)]
+    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c) and not RUN_BY_TEST_VALIDATE.search(c)]
 
 
 def test_overrides_move_in_front_of_the_flags():

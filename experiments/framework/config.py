@@ -62,7 +62,8 @@ _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.peers": _PEERS, "prefill.peers": _PEERS,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.graph_reps": _INT1, "decode.peers": _PEERS,
+    "prefill.peers": _PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
@@ -140,6 +141,28 @@ def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype
             raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
 
 
+def backend_by_seq(policy, branch: str, seq: int, profile: str) -> tuple[str, str] | None:
+    """``policy.by_seq.<branch>``: ``[{min_seq, backend}, ...]`` with min_seq ascending (a hardware profile
+    written by ``experiments.validate``'s window thresholds). Where a branch's backend is not named
+    (``backend=auto``), the entry with the largest min_seq <= seq picks it: (backend, the note recorded
+    on the run), or None where the profile has no such list or no entry applies."""
+    entries = (policy.get("by_seq") or {}).get(branch)
+    if not entries:
+        return None
+    where = f"hardware.policy.by_seq.{branch}"
+    last, chosen = -1, None
+    for i, e in enumerate(entries):
+        lo, name = e.get("min_seq"), e.get("backend")
+        if not _is_int(lo) or lo <= last:
+            raise ConfigError(f"{where}[{i}].min_seq={lo!r}: must be an integer >= 0, ascending")
+        if name not in dispatch.known_backends():
+            raise ConfigError(f"{where}[{i}].backend={name!r}: unknown backend; known: {', '.join(dispatch.known_backends())}")
+        last = lo
+        if lo <= seq:
+            chosen = (name, f"{branch}: {name} at seq={seq} (hardware={profile} policy.by_seq: from {lo} tokens)")
+    return chosen
+
+
 def prepare(cfg: DictConfig, entry: str) -> Job:
     """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line."""
     try:
@@ -191,6 +214,10 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
         name = cfg.backend.get(b)
         if name is None:
             name = (pol.get("preferred") or {}).get(b, "reference")
+            by_seq = backend_by_seq(pol, b, seq, profile.name)
+            if by_seq is not None:
+                name, note = by_seq
+                notes.append(note)
         avoid = (pol.get("avoid") or {}).get(b)
         if avoid is not None and name == avoid.backend and not pol.get("force", False):
             notes.append(f"{b}: {name} -> {avoid.instead} (hardware={profile.name} policy: {avoid.reason}; "
@@ -219,8 +246,8 @@ def check_memory(job: Job, est_bytes: float) -> None:
                             f"limits.max_memory_gib={lim:g}")
 
 
-def groups() -> dict[str, list[str]]:
+def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
     """The config groups a user picks on the command line (conf/<group>/<option>.yaml; conf/hydra/
     holds Hydra's own settings) and their options."""
     return {p.name: sorted(f.stem for f in p.glob("*.yaml"))
-            for p in sorted(CONF_DIR.iterdir()) if p.is_dir() and p.name != "hydra"}
+            for p in sorted(conf_dir.iterdir()) if p.is_dir() and p.name != "hydra"}
