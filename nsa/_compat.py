@@ -45,3 +45,28 @@ def triton_version() -> tuple[int, int]:
 
 
 __all__ = ["SDPA_ENABLE_GQA", "sdpa_gqa", "triton_version"]
+
+
+def block_mask_from_kv_blocks(*args, seq_lengths: tuple[int, int], **kwargs):
+    """``BlockMask.from_kv_blocks``, with ``seq_lengths`` where this torch takes it (>= 2.6; before, the
+    lengths are the block counts times the block size)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters:
+        kwargs["seq_lengths"] = seq_lengths
+    return BlockMask.from_kv_blocks(*args, **kwargs)
+
+
+def no_eager_fallback(recompile_limit: int):
+    """Dynamo's settings for one compiled call: up to ``recompile_limit`` compilations of the function,
+    then an error instead of dynamo's default of running it eagerly (for FlexAttention, the eager path
+    materializes every score: at 64k tokens that is an out-of-memory error far from its cause).
+    Settings this torch lacks are left out."""
+    import torch._dynamo.config as cfg
+
+    known = set(getattr(cfg, "_config", {})) or set(dir(cfg))
+    if "recompile_limit" in known:  # the names since torch 2.7; cache_size_limit before
+        want = {"recompile_limit": recompile_limit, "fail_on_recompile_limit_hit": True}
+    else:
+        want = {"cache_size_limit": recompile_limit, "fail_on_cache_limit_hit": True}
+    return cfg.patch({k: v for k, v in want.items() if k in known})
