@@ -2,15 +2,35 @@
 repository first on PYTHONPATH) into a temporary SQLite store, read back through MlflowClient."""
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
+ENTRIES = ("decode", "prefill", "parity", "train")
+
+
+def documented_commands() -> list[str]:
+    """Every ``python -m experiments.<entry> ...`` line of the README's shell blocks, the entry
+    points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
+    (``<run id>``) are run by the tests that have one."""
+    texts = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    for e in ENTRIES:
+        texts.append(OmegaConf.load(REPO / "conf" / f"{e}.yaml").hydra.help.header)
+        texts.append(ast.get_docstring(ast.parse((REPO / "experiments" / f"{e}.py").read_text())))
+    cmds = set()
+    for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
+        seg = " ".join(seg.split("#")[0].split())
+        if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
+            cmds.add("python " + seg.split(" ", 1)[1])
+    return sorted(cmds)
 
 
 def env(**extra: str) -> dict:
