@@ -59,7 +59,8 @@ def test_an_entry_point_passes_what_it_resolved():
                               dtype=torch.float32)
     assert run.backend == {"cmp": "triton", "sel": "triton", "win": "sdpa"} and run.fallback == "reference"
     assert run.dtype == "float32"
-    assert RunConfig.from_conf(cfg, backend="reference").backend == dict.fromkeys(("cmp", "sel", "win"), "reference")
+    assert RunConfig.from_conf(cfg, backend="reference", dtype="float32").backend == \
+        dict.fromkeys(("cmp", "sel", "win"), "reference")
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense", "window"])
@@ -96,8 +97,8 @@ def test_the_framework_validates_train_with_the_library():
 
     job = config.prepare(compose_train(), "train")
     assert job.nsa is None and job.branch == "none" and job.seq == 256 and "model" not in job.cfg
-    assert config.prepare(compose_train("train=retrieval32k", "hardware.strict=false", "backend=reference"),
-                          "train").seq == 32768  # seq: the main stage's context
+    assert config.prepare(compose_train("train=retrieval32k", "hardware.strict=false", "backend=reference",
+                                        "dtype=float32"), "train").seq == 32768  # seq: the main stage's context
     for overrides, msg in [(["dtype=float16"], "dtype='float16': training runs in one of ('float32', 'bfloat16')"),
                            (["model=tiny"], "model: not an option of experiments.train"),
                            (["train.steps=0"], "train.steps=0: must be an integer >= 1"),

@@ -141,6 +141,12 @@ class RunConfig:
             raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
         _int("seed", self.seed, 0)
         object.__setattr__(self, "backend", dispatch.resolve(self.backend))
+        ref = [b for b in dispatch.BRANCHES if self.backend[b] == "reference"]
+        if self.attention == "nsa" and self.dtype == "bfloat16" and ref:
+            # nsa/reference.py picks its own accumulation dtype; autocast turns its products to bfloat16,
+            # and its masking fails there ("value cannot be converted to type c10::BFloat16")
+            raise ValueError(f"backend.{ref[0]}=reference: NSA's reference backend does not run under bfloat16 "
+                             "autocast; use dtype=float32, or backend=triton on a GPU")
         task = self.stages()[-1][1]  # checks the data node and every stage's
         acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
         if acfg.d_k % 2:
