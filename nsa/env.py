@@ -9,6 +9,8 @@
 * ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (read by MLflow on every
   request): :func:`limit_mlflow_http` bounds them for this process (a user's own values are kept), and
   :func:`mlflow_http_probe` sets them briefly for a first, fast check of a tracking server.
+* :func:`child_environment`: this process's environment for a subprocess (``experiments.validate``
+  runs the kernel tests in pytest), with ``TRITON_INTERPRET`` set or removed and a ``PYTHONPATH`` first.
 
 Everything else reaches the library as explicit arguments, filled from Hydra configs.
 """
@@ -53,3 +55,13 @@ def mlflow_http_probe(timeout_s: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def child_environment(*, triton_interpret: bool, pythonpath: str) -> dict[str, str]:
+    """A copy of this environment for a subprocess: ``TRITON_INTERPRET=1`` (Triton's interpreter) or
+    no ``TRITON_INTERPRET`` at all (compiled kernels), and ``pythonpath`` before any ``PYTHONPATH``."""
+    out = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_interpret:
+        out["TRITON_INTERPRET"] = "1"
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, out.get("PYTHONPATH", "")) if p)
+    return out

@@ -14,7 +14,8 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRIES = ("decode", "prefill", "parity", "train")
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")
+INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 
 
 def documented_commands() -> list[str]:
@@ -28,9 +29,16 @@ def documented_commands() -> list[str]:
     cmds = set()
     for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
         seg = " ".join(seg.split("#")[0].split())
+        env, seg = (INTERPRET, seg[len(INTERPRET):]) if seg.startswith(INTERPRET) else ("", seg)
         if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
-            cmds.add("python " + seg.split(" ", 1)[1])
+            cmds.add(env + "python " + seg.split(" ", 1)[1])
     return sorted(cmds)
+
+
+def argv(cmd: str) -> tuple[list[str], dict]:
+    """A documented command's arguments after ``python``, and the environment it names."""
+    env = {"TRITON_INTERPRET": "1"} if cmd.startswith(INTERPRET) else {}
+    return cmd.removeprefix(INTERPRET).split()[1:], env
 
 
 def env(**extra: str) -> dict:

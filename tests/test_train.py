@@ -17,7 +17,7 @@ from pathlib import Path
 
 import entrypoints
 import pytest
-from entrypoints import documented_commands, one_line, start, wait
+from entrypoints import argv, documented_commands, one_line, start, wait
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -33,7 +33,7 @@ SHORT = ["-m", "attention=nsa,dense", "train=smoke", "train.steps=3"]
 
 
 def train_commands() -> list[str]:
-    return [c for c in documented_commands() if c.split()[2] == "experiments.train"]
+    return [c for c in documented_commands() if argv(c)[0][1] == "experiments.train"]
 
 
 def _runs(tmp: Path):
@@ -60,7 +60,8 @@ def _wait_for_steps(db: Path, n: int, p: subprocess.Popen, timeout: float = 240)
 
 def _as_written(tmp: Path, cmd: str, *extra: str) -> subprocess.Popen:
     """A documented command as written (plus ``extra``), in tmp: the default store and outputs there."""
-    return subprocess.Popen([sys.executable, *cmd.split()[1:], *extra], cwd=tmp, env=entrypoints.env(),
+    args, extra_env = argv(cmd)
+    return subprocess.Popen([sys.executable, *args, *extra], cwd=tmp, env=entrypoints.env(**extra_env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
