@@ -2,15 +2,43 @@
 repository first on PYTHONPATH) into a temporary SQLite store, read back through MlflowClient."""
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")
+INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
+
+
+def documented_commands() -> list[str]:
+    """Every ``python -m experiments.<entry> ...`` line of the README's shell blocks, the entry
+    points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
+    (``<run id>``) are run by the tests that have one."""
+    texts = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    for e in ENTRIES:
+        texts.append(OmegaConf.load(REPO / "conf" / f"{e}.yaml").hydra.help.header)
+        texts.append(ast.get_docstring(ast.parse((REPO / "experiments" / f"{e}.py").read_text())))
+    cmds = set()
+    for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
+        seg = " ".join(seg.split("#")[0].split())
+        env, seg = (INTERPRET, seg[len(INTERPRET):]) if seg.startswith(INTERPRET) else ("", seg)
+        if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
+            cmds.add(env + "python " + seg.split(" ", 1)[1])
+    return sorted(cmds)
+
+
+def argv(cmd: str) -> tuple[list[str], dict]:
+    """A documented command's arguments after ``python``, and the environment it names."""
+    env = {"TRITON_INTERPRET": "1"} if cmd.startswith(INTERPRET) else {}
+    return cmd.removeprefix(INTERPRET).split()[1:], env
 
 
 def env(**extra: str) -> dict:

@@ -3,7 +3,6 @@
 MLFLOW_TRACKING_URI, this project's git commit only, a sweep whose parent cannot be created."""
 from __future__ import annotations
 
-import ast
 import re
 import shutil
 import subprocess
@@ -14,15 +13,12 @@ from pathlib import Path
 
 import entrypoints
 import pytest
-from entrypoints import REPO, one_line, start, wait
+from entrypoints import ENTRIES, REPO, argv, documented_commands, one_line, start, wait
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
 from experiments.framework import cli
 
 CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's command
-ENTRIES = ("decode", "prefill", "parity", "kernels", "validate")
-INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
 # Commands against the team server run where the server runs: tests/test_cluster.py runs the README's
@@ -32,32 +28,11 @@ NEEDS_CLUSTER = re.compile(r"tracking=server\b|hydra/launcher=(slurm|per_gpu)\b"
 RUN_BY_TEST_VALIDATE = re.compile(r"experiments\.validate hardware=cpu\b")
 
 
-def documented_commands() -> list[str]:
-    """Every ``python -m experiments.<entry> ...`` line of the README's shell blocks, the entry
-    points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
-    (``<run id>``) are run by the tests that have one."""
-    texts = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-    for e in ENTRIES:
-        texts.append(OmegaConf.load(REPO / "conf" / f"{e}.yaml").hydra.help.header)
-        texts.append(ast.get_docstring(ast.parse((REPO / "experiments" / f"{e}.py").read_text())))
-    cmds = set()
-    for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
-        seg = " ".join(seg.split("#")[0].split())
-        env, seg = (INTERPRET, seg[len(INTERPRET):]) if seg.startswith(INTERPRET) else ("", seg)
-        if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
-            cmds.add(env + "python " + seg.split(" ", 1)[1])
-    return sorted(cmds)
-
-
-def argv(cmd: str) -> tuple[list[str], dict]:
-    """A documented command's arguments after ``python``, and the environment it names."""
-    env = {"TRITON_INTERPRET": "1"} if cmd.startswith(INTERPRET) else {}
-    return cmd.removeprefix(INTERPRET).split()[1:], env
-
-
 def local_commands() -> list[str]:
-    """The documented commands this test module runs (the cluster's run in tests/test_cluster.py)."""
-    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c) and not RUN_BY_TEST_VALIDATE.search(c)]
+    """The documented commands this test module runs (the cluster's run in tests/test_cluster.py, the
+    training's in tests/test_train.py, which checks what they log)."""
+    return [c for c in documented_commands()
+            if not NEEDS_CLUSTER.search(c) and not RUN_BY_TEST_VALIDATE.search(c) and argv(c)[0][1] != "experiments.train"]
 
 
 def test_overrides_move_in_front_of_the_flags():

@@ -22,7 +22,7 @@ def compose_train(*overrides):
 
 def test_groups():
     assert GROUPS == {"lm": ["small", "smoke"], "attention": ["dense", "nsa", "window"], "data": ["retrieval", "text"],
-                      "train": ["retrieval32k", "smoke"]}
+                      "train": ["retrieval32k", "retrieval32k_short", "smoke"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -59,7 +59,8 @@ def test_an_entry_point_passes_what_it_resolved():
                               dtype=torch.float32)
     assert run.backend == {"cmp": "triton", "sel": "triton", "win": "sdpa"} and run.fallback == "reference"
     assert run.dtype == "float32"
-    assert RunConfig.from_conf(cfg, backend="reference").backend == dict.fromkeys(("cmp", "sel", "win"), "reference")
+    assert RunConfig.from_conf(cfg, backend="reference", dtype="float32").backend == \
+        dict.fromkeys(("cmp", "sel", "win"), "reference")
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense", "window"])
@@ -78,3 +79,29 @@ def test_retrieval32k_preset(attention):
     got = {T: round(step_flops(model, T, B)["total"] / 1e12, 2) for T, B in ((32768, 1), (2048, 16))}
     assert got == {"nsa": {32768: 4.95, 2048: 3.77}, "dense": {32768: 17.67, 2048: 3.24},
                    "window": {32768: 2.76, 2048: 2.7}}[attention]
+
+
+def test_retrieval32k_short_is_retrieval32k_with_half_the_32k_steps():
+    full, short = (RunConfig.from_conf(compose_train(f"train={t}")) for t in ("retrieval32k", "retrieval32k_short"))
+    assert short.train.steps == 4000 and short.train.time_limit_s == 240 and short.train.ckpt_every == 500
+    assert [(end, task, b) for end, task, b in short.stages()][0] == full.stages()[0]  # the same 2k stage
+    assert short.stages()[1][1:] == full.stages()[1][1:] and short.data == full.data and short.lm == full.lm
+    assert {k: v for k, v in vars(short.train).items() if k not in ("steps", "time_limit_s", "ckpt_every")} == \
+        {k: v for k, v in vars(full.train).items() if k not in ("steps", "time_limit_s", "ckpt_every")}
+
+
+def test_the_framework_validates_train_with_the_library():
+    """experiments.train's jobs: prepare() runs RunConfig's checks (a ValueError is a one-line config
+    error before any run); the model is lm, not the benchmarks' model group."""
+    from experiments.framework import ConfigError, config
+
+    job = config.prepare(compose_train(), "train")
+    assert job.nsa is None and job.branch == "none" and job.seq == 256 and "model" not in job.cfg
+    assert config.prepare(compose_train("train=retrieval32k", "hardware.strict=false", "backend=reference",
+                                        "dtype=float32"), "train").seq == 32768  # seq: the main stage's context
+    for overrides, msg in [(["dtype=float16"], "dtype='float16': training runs in one of ('float32', 'bfloat16')"),
+                           (["model=tiny"], "model: not an option of experiments.train"),
+                           (["train.steps=0"], "train.steps=0: must be an integer >= 1"),
+                           (["lm.nsa.l=20"], "NSAConfig.l=20")]:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            config.prepare(compose_train(*overrides), "train")

@@ -97,6 +97,7 @@ def test_curriculum_switches_stages(tmp_path):
     (["train.lr=fast"], r"train.lr='fast': must be a number"),
     (["attention.kind=sparse"], r"attention.kind='sparse'"),
     (["dtype=float16"], r"dtype='float16': training runs in one of"),
+    (["dtype=bfloat16"], r"backend.cmp=reference: NSA's reference backend does not run under bfloat16 autocast"),
     (["lm.nsa.d_k=7"], r"NSAConfig.d_k|lm.nsa.d_k=7"),
 ])
 def test_config_errors_name_the_field(overrides, match):

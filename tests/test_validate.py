@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from experiments import measure
 from experiments.framework import config
 from experiments.validation import decode, faults, kernels, report, thresholds
+from experiments.validation import train as vtrain
 from experiments.validation.core import FAIL, NOT_RUN, PASS, SKIP, Check
 from nsa import dispatch
 
@@ -217,6 +218,19 @@ def test_policy_by_seq_picks_the_backend_for_the_jobs_length():
     bad = OmegaConf.create({"by_seq": {"win": [{"min_seq": 0, "backend": "nope"}]}})
     with pytest.raises(config.ConfigError, match=r"hardware.policy.by_seq.win\[0\].backend='nope': unknown backend"):
         config.backend_by_seq(bad, "win", 10, "x")
+
+
+def test_train_on_a_bfloat16_device_runs_the_reference_in_float32():
+    """The GPU size's train check: the run's backends in bfloat16, the reference backend (which does not run
+    under bfloat16 autocast, a config error in RunConfig) in float32."""
+    conf = OmegaConf.load(REPO / "conf" / "validate.yaml")
+    plan = {"cmp": "triton", "sel": "triton", "win": "triton"}
+    job = SimpleNamespace(dtype=torch.bfloat16, fallback=None, cfg=OmegaConf.create({"seed": 0, "streams": False}))
+    ctx = SimpleNamespace(size=conf.validate.sizes.gpu, job=job, cfg=job.cfg)
+    test, ref = vtrain.run_config(ctx, plan), vtrain.run_config(ctx, "reference")
+    assert (test.dtype, test.backend) == ("bfloat16", plan)
+    assert (ref.dtype, ref.backend) == ("float32", dict.fromkeys(plan, "reference"))
+    assert test.to_dict() | {"dtype": None, "backend": None} == ref.to_dict() | {"dtype": None, "backend": None}
 
 
 def test_an_injected_fault_moves_that_branch_only_and_is_undone():

@@ -7,8 +7,10 @@ ConfigErrors: anything else raised here is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -24,6 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
 BRANCHES = ("cmp", "sel", "win")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
+# with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
+ENTRY_CHECKS = {"train": "experiments.train:run_config"}
 
 
 class ConfigError(ValueError):
@@ -38,7 +43,7 @@ class ResourceLimit(RuntimeError):
 class Job:
     entry: str
     cfg: DictConfig              # resolved, with the concrete hardware profile
-    nsa: nsa.NSAConfig
+    nsa: nsa.NSAConfig | None    # model.nsa; None where the config has no model (train: its lm)
     plan: dict                   # branch -> backend requested (after the hardware policy)
     fallback: str | None
     policy_notes: list
@@ -49,6 +54,8 @@ class Job:
     dev: hardware.Device
     seq: int
     branch: str                  # branch_force: none | cmp | sel | win
+    out_dir: Path | None = None  # the job's output directory (set by run_job)
+    run: Any = None              # the job's tracking run, job.Run (set by run_job before work runs)
 
 
 def one_line(e: BaseException) -> str:
@@ -194,17 +201,19 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     if dname not in DTYPES:
         raise ConfigError(f"dtype={dname!r}: one of {', '.join(DTYPES)}")
     cfg.dtype = dname
-    # Model
-    try:
-        ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
-    except TypeError as e:
-        raise ConfigError(f"model.nsa: {e}") from e
-    except ValueError as e:
-        raise ConfigError(f"model={cfg.model.name}: {e}") from e
-    if ncfg.d_k % 2:
-        raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: must be even (RoPE rotates pairs of dims)")
+    # Model (an entry point without one, train, names its model elsewhere)
+    ncfg = None
+    if "model" in cfg:
+        try:
+            ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
+        except TypeError as e:
+            raise ConfigError(f"model.nsa: {e}") from e
+        except ValueError as e:
+            raise ConfigError(f"model={cfg.model.name}: {e}") from e
+        if ncfg.d_k % 2:
+            raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: must be even (RoPE rotates pairs of dims)")
     # Branch forcing
-    branch = cfg.branch_force.name
+    branch = cfg.branch_force.name if "branch_force" in cfg else "none"
     if branch not in ("none", *BRANCHES):
         raise ConfigError(f"branch_force={branch!r}: one of none, cmp, sel, win")
     # Backends: names per branch (auto -> the profile's preferred), then the profile's policy.
@@ -236,7 +245,14 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
     check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
-    return Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
+    job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
+    if entry in ENTRY_CHECKS:
+        module, name = ENTRY_CHECKS[entry].split(":")
+        try:
+            getattr(importlib.import_module(module), name)(job)
+        except ValueError as e:
+            raise ConfigError(one_line(e)) from e
+    return job
 
 
 def check_memory(job: Job, est_bytes: float) -> None:

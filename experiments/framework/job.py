@@ -5,7 +5,9 @@
    started; a job that still fails validation, e.g. on another host, ends as a FAILED child.)
 2. A run is created in ``nsa-<entry>``: a child of ``tracking.parent_run_id`` when a sweep passed one,
    tagged with the environment, the owning process and the job's overrides (``sweep_job``), and
-   ``work(job)`` runs inside ``nsa.dispatch.record()``.
+   ``work(job)`` runs inside ``nsa.dispatch.record()``; ``job.run`` (:class:`Run`) logs as the work
+   goes (a training curve). An entry point that can continue an interrupted job (``resume``: e.g. a
+   checkpoint in the job's output directory names its run) reopens that run instead of creating one.
 3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
    run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
    job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1.
@@ -20,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -46,6 +49,26 @@ class Result:
     charts: Charts | None = None                         # the sweep's charts over this entry's CSV rows
     tags: dict[str, str] = field(default_factory=dict)   # notes set as run tags (e.g. a baseline skipped, and why)
     texts: dict[str, str] = field(default_factory=dict)  # artifact path -> text (e.g. profiler tables), logged on the run
+
+
+@dataclass
+class Run:
+    """The job's tracking run as ``work`` sees it (``job.run``)."""
+
+    id: str
+    client: Any                  # mlflow.MlflowClient
+    resumed: bool = False        # reopened: an earlier process of this job left it (run_job's ``resume``)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics at ``step``, stored before this returns."""
+        tracking.log_batch(self.client, self.id, metrics=metrics, step=step)
+
+    def log_params(self, params: dict) -> None:
+        tracking.log_batch(self.client, self.id, params=params)
+
+    def history(self, key: str) -> list[tuple[int, float]]:
+        """``(step, value)`` of metric ``key`` as stored (an earlier process's points too), by step."""
+        return sorted((m.step, m.value) for m in self.client.get_metric_history(self.id, key))
 
 
 class JobFailure(RuntimeError):
@@ -87,17 +110,24 @@ def describe(job: Job, choices: dict) -> tuple[dict, dict]:
     return params, tags
 
 
-def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
+def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
+            resume: Callable[[Job], str | None] | None = None) -> None:
+    """``resume(job)``: the id of the run an earlier process of this job left unfinished (e.g. named by
+    a checkpoint in ``job.out_dir``), reopened instead of a new run (:func:`_earlier_run` says when
+    it may be); None: a new run. A ConfigError it raises is a config error."""
     t0 = time.perf_counter()
     cli.install_signal_handlers()  # a job process started by another launcher
     hc = _hydra()
     launch_dir = Path(hc.runtime.cwd) if hc else Path.cwd()
+    out_dir = Path(hc.runtime.output_dir) if hc else Path.cwd()
     key = job_key(hc.overrides.task) if hc else []
     choices = {k: v for k, v in (hc.runtime.choices if hc else {}).items() if not k.startswith("hydra/") and v}
     parent = cfg.tracking.get("parent_run_id")
     try:
         job = prepare(cfg, entry)
+        job.out_dir = out_dir
         store = tracking.connect(job.cfg.tracking, entry, launch_dir)
+        earlier = _earlier_run(store, resume(job), parent, out_dir) if resume else None
     except ConfigError as e:
         if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
@@ -106,13 +136,25 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
         return _failed_validation(cfg, entry, launch_dir, parent, key, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
     name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
-    rid = tracking.start_run(store, name, parent, {"sweep_job": json.dumps(key)})
     client = store.client
+    if earlier is None:
+        rid = tracking.start_run(store, name, parent, {"sweep_job": json.dumps(key)})
+    else:
+        rid = earlier.info.run_id
+        tracking.reopen(client, rid)
+    job.run = Run(rid, client, resumed=earlier is not None)
     if parent is None:
-        log.info(f"[{entry}] tracking store {store.describe()}; run {rid}")
+        log.info(f"[{entry}] tracking store {store.describe()}; run {rid}" + (" (resumed)" if earlier else ""))
     status, work_s, err = "FAILED", 0.0, None
     try:
         params, tags = describe(job, choices)
+        if earlier is not None:  # params are fixed once logged: new keys only, changes as a tag; the job's
+            # overrides now (a resumed sweep matches its jobs by them; e.g. another train.time_limit_s)
+            old = earlier.data.params
+            changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)[:6000]]
+            params = {k: v for k, v in params.items() if k not in old}
+            tags.update(resumed=str(int(earlier.data.tags.get("resumed", "0")) + 1), sweep_job=json.dumps(key),
+                        **({"resumed_changes": "; ".join(changed)} if changed else {}))
         tracking.log_batch(client, rid, params=params, tags=tags)
         for n in job.policy_notes:
             log.info(f"{head}: backend policy {n}")
@@ -130,7 +172,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
                     **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
                     "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
                     "fallbacks": "; ".join(rec.fallbacks) or "none"})
-        _log_result(client, rid, job, res, work_s, Path(hc.runtime.output_dir) if hc else Path.cwd())
+        _log_result(client, rid, job, res, work_s, out_dir)
         if res.failure:
             raise JobFailure(res.failure)
         status = "FINISHED"
@@ -156,6 +198,38 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result]) -> None:
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
     if status != "FINISHED" and parent is None:
         raise SystemExit(1)
+
+
+def _earlier_run(store, rid: str | None, parent: str | None, out_dir: Path):
+    """The run ``rid`` an earlier process of this job left (None: none), if this job may continue it:
+    in this experiment, under the same sweep (or none), not FINISHED, its process gone."""
+    if rid is None:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = store.client.get_run(rid)
+    except MlflowException:
+        run = None
+    what = f"{out_dir} holds run {rid} to continue"
+    if run is None or run.info.experiment_id != store.experiment_id:
+        raise ConfigError(f"{what}, which is not in experiment {store.experiment} of {store.uri}; "
+                          "a new run needs another output directory")
+    owner = run.data.tags.get("mlflow.parentRunId")
+    if owner != parent:
+        raise ConfigError(f"{what}, " + (f"a job of sweep {owner} (resume it: hydra.sweeper.resume={owner})" if owner
+                                         else "a single run, not a job of this sweep")
+                          + "; a new run needs another output directory")
+    if run.info.status == "FINISHED":
+        raise ConfigError(f"{what}, which is FINISHED; a new run needs another output directory")
+    if run.info.status == "RUNNING":
+        gone, where = tracking.stale(run), f"process {run.data.tags.get('pid', '?')} on {run.data.tags.get('host', '?')}"
+        if gone is False:
+            raise ConfigError(f"{what}, which is RUNNING in {where}; stop that process first")
+        if gone is None:
+            raise ConfigError(f"{what}, which is RUNNING in {where}, which this host cannot check; if it is gone: "
+                              f"python -m experiments.close_stale {rid} --force")
+    return run
 
 
 def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Path) -> None:

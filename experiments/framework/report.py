@@ -1,8 +1,9 @@
 """Tables and charts: a job's CSV, the sweep's CSV, its charts (images and stepped metrics), the summary.
 
 An entry point names its charts (:class:`Charts`: the x column, the column that tells lines apart,
-one panel per y column). Each job records them on its run (tag ``charts``), so the sweep draws them
-from the store's child runs whichever launcher ran the jobs.
+one panel per y column; or, ``kind="by_step"``, curves of metrics its runs logged step by step). Each
+job records them on its run (tag ``charts``), so the sweep draws them from the store's child runs
+whichever launcher ran the jobs.
 """
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ class Charts:
     x: str                  # CSV column on the x axis (log2), e.g. seq_tokens; its values are the metrics' steps
     series: str             # CSV column that tells lines apart, e.g. variant
     ys: tuple[str, ...]     # one panel (and one metric per line) per column, e.g. ("p50_ms", "speedup_vs_dense_x")
+    # "rows": points from the jobs' CSV rows (log-log); "by_step": each job's metric history of each y,
+    # x being the step (linear axes), one line per job (x and series unused)
+    kind: str = "rows"
 
     def to_tag(self) -> str:
-        return json.dumps({"x": self.x, "series": self.series, "ys": list(self.ys)})
+        return json.dumps({"x": self.x, "series": self.series, "ys": list(self.ys), "kind": self.kind})
 
     @staticmethod
     def from_tag(text: str) -> Charts:
         d = json.loads(text)
-        return Charts(d["x"], d["series"], tuple(d["ys"]))
+        return Charts(d["x"], d["series"], tuple(d["ys"]), d.get("kind", "rows"))
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -83,13 +87,16 @@ def _natural(label: str) -> list:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", label)]
 
 
-def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path, title: str) -> None:
-    """One panel per y, one line per label, log-log (dense baselines dashed); written atomically."""
+def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path, title: str, log: bool = True) -> None:
+    """One panel per y (three per row), one line per label, log-log or (``log=False``: curves over
+    steps) linear, marked where a line has few points; dense baselines dashed; written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     many = max((len(ls) for ls in data.values()), default=0) > 12  # legend beside the panel, not on it
-    fig = Figure(figsize=((9.5 if many else 6.5) * len(data), 4.5 if not many else 6))
+    cols = min(3, len(data))
+    rows = -(-len(data) // cols)
+    fig = Figure(figsize=((9.5 if many else 6.5) * cols, (6 if many else 4.5) * rows))
     FigureCanvasAgg(fig)
     # A label is "<series> <what else varies>" (lines()): one colour per series (e.g. variant), one marker
     # per value of the rest (e.g. model.nsa.n_kv_heads=4), in natural order (4 before 16).
@@ -98,13 +105,15 @@ def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path
     rest = list(dict.fromkeys(lab.partition(" ")[2] for lab in labels))
     colors = [f"C{i % 10}" for i in range(len(series))]
     for i, (y, ls) in enumerate(data.items(), 1):
-        ax = fig.add_subplot(1, len(data), i)
+        ax = fig.add_subplot(rows, cols, i)
         for label in sorted(ls, key=_natural):
             pts, (first, _, other) = ls[label], label.partition(" ")
+            marker = MARKERS[rest.index(other) % len(MARKERS)] if log or len(pts) <= 20 else None
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.startswith("dense") else "-",
-                    color=colors[series.index(first)], marker=MARKERS[rest.index(other) % len(MARKERS)], label=label)
-        ax.set_xscale("log", base=2)
-        if all(p[1] > 0 for pts in ls.values() for p in pts):
+                    color=colors[series.index(first)], marker=marker, label=label)
+        if log:
+            ax.set_xscale("log", base=2)
+        if log and all(p[1] > 0 for pts in ls.values() for p in pts):
             ax.set_yscale("log")
         ax.set_xlabel(x)
         ax.set_ylabel(y)

@@ -225,6 +225,27 @@ def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str])
     return rows, charts
 
 
+def _curves(store, jobs: list[list[str]], runs: list, keys: list[str], ys) -> dict:
+    """``by_step`` charts: y -> line label -> the (step, value) history of metric y on the job's run.
+    A label is the job's values of the keys that vary (one key: its value alone, e.g. ``nsa``)."""
+    out: dict[str, dict] = {y: {} for y in ys}
+    for ov, r in zip(jobs, runs):
+        if r is None:
+            continue
+        lab = label(ov, keys).partition("=")[2] if len(keys) == 1 else label(ov, keys)
+        for y in ys:
+            pts = sorted((m.step, m.value) for m in store.client.get_metric_history(r.info.run_id, y))
+            if pts:
+                out[y][lab] = pts
+    return out
+
+
+def _new_points(client, parent: str, series: list[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """The points the parent does not hold yet (a resumed sweep logged the others at its first end)."""
+    have = {(k, m.value, m.step) for k in {k for k, _, _ in series} for m in client.get_metric_history(parent, k)}
+    return [p for p in series if p not in have]
+
+
 def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
     """The summary: per job the values that vary, status, headline metrics, run id."""
     heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
@@ -250,12 +271,13 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     if rows:
         report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
         artifacts.append(sweep_dir / f"{entry}_sweep.csv")
-    if charts and rows:
-        data = report.lines(rows, charts)
-        series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
-        if len({x for _, _, x in series}) > 1:  # a curve needs two x values
-            report.plot(data, charts.x, sweep_dir / f"{entry}_vs_seq.png", entry)
-            artifacts.append(sweep_dir / f"{entry}_vs_seq.png")
+    by_step = bool(charts) and charts.kind == "by_step"
+    data = _curves(store, jobs, runs, keys, charts.ys) if by_step else report.lines(rows, charts) if charts and rows else {}
+    series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
+    if len({x for _, _, x in series}) > 1:  # a curve needs two x values
+        png = sweep_dir / f"{entry}_{'by_step' if by_step else 'vs_seq'}.png"
+        report.plot(data, "step" if by_step else charts.x, png, entry, log=not by_step)
+        artifacts.append(png)
     text = _table(jobs, runs, keys)
     (sweep_dir / "summary.txt").write_text(text + "\n")
     artifacts.append(sweep_dir / "summary.txt")
@@ -268,7 +290,7 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
         tracking.log_batch(store.client, parent, metrics={
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov})
-        tracking.log_series(store.client, parent, series)
+        tracking.log_series(store.client, parent, _new_points(store.client, parent, series))
         for a in artifacts:
             store.client.log_artifact(parent, str(a))
     finally:

@@ -296,8 +296,11 @@ def end_run(client, rid: str, status: str, error: str | None = None) -> None:
 
 
 def reopen(client, rid: str) -> None:
-    """A resumed sweep's parent: RUNNING again, owned by this process."""
+    """A run taken over (a resumed sweep's parent, a resumed job's run): RUNNING again, owned by this
+    process, without the error its earlier end recorded."""
     client.update_run(rid, status="RUNNING")
+    if "error" in client.get_run(rid).data.tags:
+        client.delete_tag(rid, "error")
     log_batch(client, rid, tags=process_tags())
     _OPEN[rid] = client
 

@@ -141,6 +141,12 @@ class RunConfig:
             raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
         _int("seed", self.seed, 0)
         object.__setattr__(self, "backend", dispatch.resolve(self.backend))
+        ref = [b for b in dispatch.BRANCHES if self.backend[b] == "reference"]
+        if self.attention == "nsa" and self.dtype == "bfloat16" and ref:
+            # nsa/reference.py picks its own accumulation dtype; autocast turns its products to bfloat16,
+            # and its masking fails there ("value cannot be converted to type c10::BFloat16")
+            raise ValueError(f"backend.{ref[0]}=reference: NSA's reference backend does not run under bfloat16 "
+                             "autocast; use dtype=float32, or backend=triton on a GPU")
         task = self.stages()[-1][1]  # checks the data node and every stage's
         acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
         if acfg.d_k % 2:
@@ -271,15 +277,30 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
     return out
 
 
-def _resume(state: dict, cfg: RunConfig, run_id: str, model, opt, device) -> tuple[int, int]:
-    if state["run_id"] != run_id:
-        raise ValueError(f"run_id={run_id!r}: the checkpoint belongs to run {state['run_id']!r} "
-                         "(read it with experiments.lm.checkpoint.peek and resume that run)")
+def _check_config(state: dict, cfg: RunConfig) -> None:
     old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
     if diff:
         raise ValueError("config: differs from the checkpoint's in " + ", ".join(
             f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff))
+
+
+def resumable(cfg: RunConfig, ckpt_dir) -> dict | None:
+    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None: none), which ``train(cfg, ...)``
+    will resume; a ValueError names the config keys that differ from the checkpoint's (as ``train``
+    would, before an entry point reopens the run)."""
+    state = checkpoint.load(ckpt_dir, mmap=True)
+    if state is None:
+        return None
+    _check_config(state, cfg)
+    return {"run_id": state["run_id"], "step": state["step"]}
+
+
+def _resume(state: dict, cfg: RunConfig, run_id: str, model, opt, device) -> tuple[int, int]:
+    if state["run_id"] != run_id:
+        raise ValueError(f"run_id={run_id!r}: the checkpoint belongs to run {state['run_id']!r} "
+                         "(read it with experiments.lm.checkpoint.peek and resume that run)")
+    _check_config(state, cfg)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -1,0 +1,126 @@
+"""Training: a small decoder language model with NSA, dense or sliding-window attention (experiments/lm).
+
+    python -m experiments.train train=smoke                                  # CPU: text, 60 steps
+    python -m experiments.train -m attention=nsa,dense train=smoke           # one parent run, both curves
+    python -m experiments.train hardware=h200 train=retrieval32k_short -m attention=nsa,dense
+
+One MLflow run per job (experiment ``nsa-train``). As the loop logs a step, the run gets its metrics
+(``experiments.lm.loop``: ``loss``, ``accuracy``, ``tokens_per_s``, peak memory, ``gate_<branch>``
+for NSA; every ``train.eval_every`` steps ``val_loss``, ``val_accuracy`` and NSA's ``sel_mass`` /
+``sel_recall``), stepped by training step. Params: the config and the parameter counts by kind
+(``n_params.<kind>``). At the end, the headline metrics from the whole stored curve: ``0_final_loss``
+and ``0_val_loss`` / ``0_val_accuracy`` (the last logged), ``0_tokens_per_s`` (median over the main
+stage's logged steps), ``0_sel_recall`` / ``0_sel_mass`` (NSA), ``0_peak_mem_gib`` (CUDA). A sweep's
+parent carries every job's curves as its own metrics (``loss/nsa``, ``val_accuracy/dense``, ...) and
+``train_by_step.png``.
+
+Checkpoints go to ``<output dir>/ckpt/last.pt`` (every ``train.ckpt_every`` steps, at the end, and at
+the ``train.time_limit_s`` stop). Resume a killed or time-limited run by running the same command with
+the same output directory: ``hydra.run.dir=<its output dir>`` (a sweep: ``hydra.sweep.dir=<its dir>
+hydra.sweeper.resume=<parent run id>``). The checkpoint names the run, which is reopened: its curve
+goes on from the last logged step, each step once. A run stopped by its time limit ends FAILED (exit 1)
+with the command that resumes it.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+
+import hydra
+from omegaconf import DictConfig
+
+from .framework import Charts, ConfigError, Job, Result, launch, run_job
+from .framework.config import one_line
+from .lm.loop import RunConfig, parameter_counts, resumable, train
+
+log = logging.getLogger("experiments.train")
+# The parent run's curves (one line per job) and its chart's panels.
+CURVES = ("loss", "accuracy", "val_loss", "val_accuracy", "tokens_per_s")
+
+
+def run_config(job: Job) -> RunConfig:
+    """The training library's config of a job: the composed config with what the framework resolved
+    (the hardware policy's backends, fallback, the profile's dtype). A ValueError names the field
+    (``prepare`` runs this as train's own check: a config error, exit 2, before any run)."""
+    for key in ("model", "branch_force"):
+        if key in job.cfg:
+            raise ValueError(f"{key}: not an option of experiments.train (its model: lm=..., attention=...)")
+    return RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+
+
+def earlier_run(job: Job) -> str | None:
+    """The run a checkpoint in the job's output directory belongs to (it is continued), or None."""
+    try:
+        found = resumable(run_config(job), job.out_dir / "ckpt")
+    except ValueError as e:
+        raise ConfigError(f"{job.out_dir / 'ckpt'}: {one_line(e)}") from e
+    return found["run_id"] if found else None
+
+
+def resume_args(job: Job) -> str:
+    """What continues this job from its checkpoint, added to the command that started it."""
+    parent = job.cfg.tracking.get("parent_run_id")
+    if parent:
+        return f"hydra.sweep.dir={job.out_dir.parent} hydra.sweeper.resume={parent}"
+    return f"hydra.run.dir={job.out_dir}"
+
+
+def headline(job: Job, cfg: RunConfig) -> dict[str, float]:
+    """From the run's stored curve, whichever processes logged it."""
+    out = {}
+    for name, key in (("final_loss", "loss"), ("val_loss", "val_loss"), ("val_accuracy", "val_accuracy"),
+                      ("sel_recall", "sel_recall"), ("sel_mass", "sel_mass")):
+        h = job.run.history(key)
+        if h:
+            out[name] = h[-1][1]
+    stages = cfg.stages()
+    main_from = stages[-2][0] if len(stages) > 1 else 0  # the main stage's steps are those after it
+    tps = job.run.history("tokens_per_s")
+    main = [v for s, v in tps if s > main_from] or [v for _, v in tps]
+    if main:
+        out["tokens_per_s"] = statistics.median(main)
+    mem = job.run.history("peak_mem_gib")
+    if mem:
+        out["peak_mem_gib"] = max(v for _, v in mem)
+    return out
+
+
+def work(job: Job) -> Result:
+    cfg = run_config(job)
+    tc, run, ckpt = cfg.train, job.run, job.out_dir / "ckpt"
+    run.log_params({f"n_params.{k}": v for k, v in parameter_counts(cfg).items()})
+    done = max((s for s, _ in run.history("loss")), default=0)
+    found = resumable(cfg, ckpt)
+    if found:
+        log.info(f"[train] resuming run {run.id} from its checkpoint at step {found['step']} "
+                 f"(steps logged: {done}; those after the checkpoint are recomputed, not logged again)")
+    log.info(f"[train] {cfg.attention} on {cfg.data['task']} (seq {job.seq}), {tc.steps} steps; output {job.out_dir}; "
+             f"resume after a crash: the same command with {resume_args(job)}")
+
+    def log_step(metrics: dict, step: int) -> None:
+        run.log_metrics(metrics, step)
+        if "val_loss" in metrics or step == tc.steps:
+            log.info(f"[train] step {step}/{tc.steps}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f}"
+                     + (f" val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f}"
+                        if "val_loss" in metrics else "") + f", {metrics['tokens_per_s']:.0f} tokens/s")
+
+    out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run.id, logged_through=done)
+    head = headline(job, cfg)
+    row = {"attention": cfg.attention, "lm": cfg.lm.name, "task": cfg.data["task"], "seq_len_tokens": job.seq,
+           "steps": out["step"], "steps_planned": tc.steps, **head,
+           **{f"n_params_{k}": v for k, v in out["params"].items()}}
+    failure = None
+    if not out["completed"]:
+        failure = (f"stopped by train.time_limit_s={tc.time_limit_s:g} after step {out['step']} of {tc.steps}; "
+                   f"the checkpoint in {ckpt} resumes it: the same command with {resume_args(job)}")
+    tags = {"resumed_from_step": str(found["step"])} if found else {}
+    return Result([row], {}, headline=head, failure=failure, charts=Charts("step", "", CURVES, kind="by_step"), tags=tags)
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_job(cfg, "train", work, resume=earlier_run)
+
+
+if __name__ == "__main__":
+    launch(main, "train")
