@@ -206,9 +206,14 @@ def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str):
     assert frac <= tol.index, f"layer/win={win}: {frac:.2%} of the top-n slots differ from the reference's (tol {tol.index:g})"
 
 
+LONG_T = 65536  # cases from this length share one pytest-xdist worker (each holds tens of GB on the GPU)
+
+
 def param(case: Case, *rest):
-    """A pytest parameter of a case (and more values), named after the case."""
-    return pytest.param(case, *rest, id="-".join([case.id, *map(str, rest)]))
+    """A pytest parameter of a case (and more values), named after the case; long cases in the xdist group
+    ``long`` (``pytest -n N --dist loadgroup`` runs them one after another in one worker)."""
+    marks = [pytest.mark.xdist_group("long")] if case.T >= LONG_T else []
+    return pytest.param(case, *rest, id="-".join([case.id, *map(str, rest)]), marks=marks)
 
 
 def tests(cases, device: str, dtype, ref_dtype, tol: Tol, win_backends, layer_params):

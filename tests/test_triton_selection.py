@@ -118,6 +118,45 @@ def test_selected_attention_matches_reference(case, dtype, mode):
     _check(fn, cfg, q_start, xs, w, idx, dtype)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
+def test_dq_partials_in_row_chunks(varlen):
+    """dq per slot written in row chunks (partials over ``part_bytes_max``, as at long T with Dk > 128):
+    each chunk's plan names rows of the whole tensor and its partials are stored from its first row,
+    so the gradients equal the reference's (a chunk offset off by one row moves dq and dK)."""
+    cfg = _config(8, 2, 24, 16, 16, 3)  # Dk 24: part row = HQ * n_sel * Dk * 4 bytes = 2304
+    g = torch.Generator().manual_seed(11)
+    lens = [37, 5, 30] if varlen else [72]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    N = int(cu[-1])
+    q, k, v = torch.randn(N, 8, 24, generator=g) * 1.5, torch.randn(N, 2, 24, generator=g) * 1.5, torch.randn(N, 2, 16, generator=g)
+    w = torch.randn(N, 8, 16, generator=g, dtype=F64)
+    idx = torch.cat([random_indices(cfg, 1, n, 0, n, g)[0] for n in lens])
+    calls = []
+    plan = selection._block_outer_plan
+
+    def counting(*a, **kw):
+        calls.append(kw.get("row0", 0))
+        return plan(*a, **kw)
+
+    def fn(q, k, v, i):  # 7 rows per chunk: chunks start inside documents and end at N
+        with tuning.overrides({"selection": {"mode": "query", "dq_part": True, "part_bytes_max": 7 * 2304}}):
+            return selection.selected_attention(q[None], k[None], v[None], i[None], cfg,
+                                                varlen=Varlen(cu) if varlen else None)[0]
+
+    def ref(q, k, v, i):
+        outs = [reference.selected_attention(q[None, a:b], k[None, a:b], v[None, a:b], i[None, a:b], cfg)[0]
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs)
+
+    selection._block_outer_plan = counting
+    try:
+        _check(fn, cfg, 0, [q, k, v], w, idx, torch.float32, ref_fn=ref)
+    finally:
+        selection._block_outer_plan = plan
+    assert calls == list(range(0, N, 7)), calls
+
+
 def test_indices_from_compressed_branch():
     """Indices from the reference compressed branch (the real producer), auto mode, G=4."""
     cfg = NSAConfig(dim=128, n_heads=8, n_kv_heads=2, d_k=16, d_v=16, l=16, d=8, l_sel=16, n_sel=3, w=32)

@@ -15,6 +15,7 @@ unavailable here are named and counted as not passed, without failing the check.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -37,7 +38,20 @@ def command(ctx: Context, files: list[str], xml: Path, meta: Path) -> list[str]:
     return [sys.executable, "-m", "pytest", "-q", "-p", "experiments.validation.pytest_plugin", "-p", "no:cacheprovider",
             f"--junitxml={xml}", "-o", "junit_family=xunit1", f"--validate-json={meta}",
             *(["-m", k.marker] if k.marker else []), *(["-k", k.select] if k.get("select") else []),
-            *([f"--inject-fault={ctx.fault}"] if ctx.fault else []), *files]
+            *([f"--inject-fault={ctx.fault}"] if ctx.fault else []), *xdist(workers(ctx)), *files]
+
+
+def workers(ctx: Context) -> int:
+    """pytest processes: ``validate.sizes.<size>.kernels.workers`` where pytest-xdist is installed (the
+    ``dev`` extra), else 1."""
+    n = int(ctx.size.kernels.get("workers") or 1)
+    return n if n > 1 and importlib.util.find_spec("xdist") is not None else 1
+
+
+def xdist(n: int) -> list[str]:
+    """pytest-xdist's options for ``n`` processes (compiling the kernels is most of a GPU run's time, one
+    CPU core per compile; the long cases share one worker: tests/kernel_cases.py LONG_T); none for 1."""
+    return ["-n", str(n), "--dist", "loadgroup"] if n > 1 else []
 
 
 def parse(xml: Path) -> list[dict]:
@@ -67,6 +81,9 @@ def run(ctx: Context) -> Check:
              "run experiments.validate on a GPU for that" if k.interpreter else
              "compiled on this device, bfloat16 against the float32 reference")
     c.notes.append(f"pytest {' '.join(files)}: {where}")
+    if int(k.get("workers") or 1) > 1 and workers(ctx) == 1:
+        c.notes.append(f"pytest-xdist is not installed (pip install -e '.[dev]'): one pytest process, not "
+                       f"validate.sizes.{ctx.size_name}.kernels.workers={k.workers}")
     if not files:
         c.fail(f"no test module matches {list(k.tests)}")
         return c

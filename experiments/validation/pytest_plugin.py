@@ -37,8 +37,13 @@ def pytest_deselected(items):
 
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--validate-json")
-    if path:
-        Path(path).write_text(json.dumps({"deselected": sorted(set(_DESELECTED))}, indent=1))
+    if not path:
+        return
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return  # pytest-xdist's controller collects nothing: its workers write (each the same list)
+    tmp = Path(f"{path}.{getattr(session.config, 'workerinput', {}).get('workerid', 'main')}")
+    tmp.write_text(json.dumps({"deselected": sorted(set(_DESELECTED))}, indent=1))
+    tmp.replace(path)
 
 
 _DESELECTED: list[str] = []

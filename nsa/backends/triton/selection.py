@@ -268,7 +268,7 @@ def _combine_kernel(
 
 @triton.jit
 def _bwd_kv_tile(e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
-                 sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                 sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, dq_row0, q_start, scale_log2, scale,
                  G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_DQ: tl.constexpr, PREC: tl.constexpr):
     rows = tl.arange(0, BLOCK_Q * GP)
@@ -294,7 +294,7 @@ def _bwd_kv_tile(e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE,
     if WRITE_DQ:
         slot = tl.load(ENT_SLOT + e, mask=rok, other=0).to(tl.int64)
         dq = tl.dot(ds, kk, input_precision=PREC) * scale
-        tl.store(DQPART + r[:, None] * sdq_n + hq[:, None] * sdq_h + slot[:, None] * sdq_s + dk[None, :],
+        tl.store(DQPART + (r - dq_row0)[:, None] * sdq_n + hq[:, None] * sdq_h + slot[:, None] * sdq_s + dk[None, :],
                  dq.to(DQPART.dtype.element_ty), mask=rok[:, None] & (dk[None, :] < DK))
     return acc_dk, acc_dv
 
@@ -302,7 +302,7 @@ def _bwd_kv_tile(e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE,
 @triton.jit
 def _bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK32, DV32, DQPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
-    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, sl_n, sdk_n, sdk_h, sdv_n, sdv_h, sdq_n, sdq_h, sdq_s,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, sl_n, sdk_n, sdk_h, sdv_n, sdv_h, sdq_n, sdq_h, sdq_s, dq_row0,
     q_start, scale_log2, scale, H, NB,
     G: tl.constexpr, GP: tl.constexpr, L_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -331,14 +331,14 @@ def _bwd_kv_kernel(
         while e0 < e_end:
             acc_dk, acc_dv = _bwd_kv_tile(
                 e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
-                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, dq_row0, q_start, scale_log2, scale,
                 G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, WRITE_DQ, PREC)
             e0 += BLOCK_Q
     else:
         for e0 in range(e_beg, e_end, BLOCK_Q):
             acc_dk, acc_dv = _bwd_kv_tile(
                 e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE, DELTA, DQPART, ENT_ROW, ENT_SLOT,
-                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, q_start, scale_log2, scale,
+                sq_n, sq_h, sd_n, sd_h, sl_n, sdq_n, sdq_h, sdq_s, dq_row0, q_start, scale_log2, scale,
                 G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, WRITE_DQ, PREC)
     tl.atomic_add(DK32 + (k0 + pos)[:, None] * sdk_n + h * sdk_h + dk[None, :], acc_dk * scale,
                   mask=kok[:, None] & (dk[None, :] < DK), sem="relaxed")
@@ -386,8 +386,9 @@ class _Layout:
         self.q_start, self.n_blocks = int(q_start), int(n_blocks)
 
 
-def _block_outer_plan(idx, lay, H, G, chunk_rows):
+def _block_outer_plan(idx, lay, H, G, chunk_rows, row0: int = 0):
     """Invert the selection: for each (seq, head, block), the (query row, slot) pairs that chose it.
+    ``idx`` holds the query rows row0.. (the entries name rows of the whole tensor).
 
     Returns entry arrays sorted by segment key = (seq*H + h)*NB + j (query rows ascending inside a
     segment: the sort is stable) and work items, each at most ``chunk_rows // G`` entries of one
@@ -401,13 +402,13 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows):
     h = torch.arange(H, device=dev, dtype=kdt)[None, :, None]
     j = idx.to(kdt)
     valid = (j >= 0) & (j < NB)
-    key = (lay.row_seq.to(kdt)[:, None, None] * H + h) * NB + j
+    key = (lay.row_seq[row0:row0 + idx.shape[0]].to(kdt)[:, None, None] * H + h) * NB + j
     key = torch.where(valid, key, torch.full_like(key, n_seg)).flatten()  # invalid entries sort last
     order = torch.sort(key, stable=True).indices
     counts = torch.bincount(key, minlength=n_seg + 1)[:n_seg]
     seg_end = torch.cumsum(counts, 0)
     seg_start = seg_end - counts
-    ent_row = (order // (H * n_sel)).to(torch.int32)
+    ent_row = (order // (H * n_sel) + row0).to(torch.int32)
     ent_slot = (order % n_sel).to(torch.int32)
     per = max(1, chunk_rows // G)
     n_chunks = (counts + per - 1) // per
@@ -512,36 +513,48 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     dv32 = torch.zeros(Nk, H, Dv, device=q.device, dtype=torch.float32)
     if Nq == 0:
         return torch.zeros_like(q), dk32.to(k.dtype), dv32.to(v.dtype)
-    if plan is None:
-        plan = _block_outer_plan(idx, lay, H, G, tune["chunk_rows"])
-    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit; it
-    # needs Nq*HQ*n_sel*Dk 16-bit values (BENCHMARKS.md, "Tuning choices").
+    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit; they
+    # need Nq*HQ*n_sel*Dk 16-bit values (BENCHMARKS.md, "Tuning choices"). Head dims over 128 always
+    # take this path, in row chunks whose partials fit: compiled by triton 3.6 for the H200, the
+    # block-outer kernel without its dq store (BLOCK_DK = 256) returned wrong dK (rel-L2 0.09-0.27
+    # against the reference; BENCHMARKS.md, "Validation"), with the store it matches.
+    part_row = HQ * n_sel * Dk * q.element_size()
     write_dq = tune["dq_part"]
+    if write_dq is False and p2(Dk, 16) > 128 and not interpreted(q):
+        raise ValueError(f"tuning selection.dq_part=False: not for head dims over 128 (Dk={Dk}) on a GPU "
+                         "(the kernel without its dq store returned wrong dK there); use None or True")
     if write_dq is None:
-        write_dq = mode == "block" or Nq * HQ * n_sel * Dk * q.element_size() <= tune["part_bytes_max"]
-    # dq per (row, head, slot), summed by _dq_combine_kernel over the live slots only
-    dqpart = empty((Nq, HQ, n_sel, Dk), q, _part_dtype(q.dtype)) if write_dq else dk32
+        write_dq = mode == "block" or Nq * part_row <= tune["part_bytes_max"] or p2(Dk, 16) > 128
+    rows = Nq if not write_dq else max(1, min(Nq, tune["part_bytes_max"] // part_row))
     GP, BQ = _block_q(G, max(Dk, Dv), tune["bwd_rows"])
-    if plan["n_items"]:
-        _bwd_kv_kernel[(plan["n_items"],)](
-            q, k, v, do, lse, delta, dk32, dv32, dqpart, plan["ent_row"], plan["ent_slot"], plan["item_key"],
-            plan["item_start"], plan["item_end"], lay.cu_q, lay.cu_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), lse.stride(0), dk32.stride(0), dk32.stride(1), dv32.stride(0), dv32.stride(1),
-            dqpart.stride(0), dqpart.stride(1), dqpart.stride(2) if write_dq else 0,
-            lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
-            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
-            BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), WRITE_DQ=write_dq, PREC=prec, INTERP=interpreted(q),
-            num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
     dq = empty(q.shape, q)
-    if write_dq:
-        BLOCK_R = 16
-        n_rows = Nq * HQ
-        _dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-            dqpart, idx, dq, n_rows, HQ, max(lay.n_blocks, 1),
-            dqpart.stride(0), dqpart.stride(1), dqpart.stride(2), idx.stride(0), idx.stride(1), dq.stride(0), dq.stride(1),
-            G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=p2(Dk, 16), num_warps=4)
-    else:
+    for r0 in range(0, Nq, rows):
+        r1 = min(Nq, r0 + rows)
+        if (r0, r1) != (0, Nq) or plan is None:
+            plan = _block_outer_plan(idx[r0:r1], lay, H, G, tune["chunk_rows"], row0=r0)
+        # dq per (row, head, slot) of rows r0..r1, summed by _dq_combine_kernel over the live slots only
+        dqpart = empty((r1 - r0, HQ, n_sel, Dk), q, _part_dtype(q.dtype)) if write_dq else dk32
+        if plan["n_items"]:
+            _bwd_kv_kernel[(plan["n_items"],)](
+                q, k, v, do, lse, delta, dk32, dv32, dqpart, plan["ent_row"], plan["ent_slot"], plan["item_key"],
+                plan["item_start"], plan["item_end"], lay.cu_q, lay.cu_k,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                do.stride(0), do.stride(1), lse.stride(0), dk32.stride(0), dk32.stride(1), dv32.stride(0),
+                dv32.stride(1), dqpart.stride(0), dqpart.stride(1), dqpart.stride(2) if write_dq else 0, r0,
+                lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
+                G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
+                BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), WRITE_DQ=write_dq, PREC=prec, INTERP=interpreted(q),
+                num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
+        if write_dq:
+            BLOCK_R = 16
+            n_rows = (r1 - r0) * HQ
+            idx_c, dq_c = idx[r0:r1], dq[r0:r1]
+            _dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+                dqpart, idx_c, dq_c, n_rows, HQ, max(lay.n_blocks, 1),
+                dqpart.stride(0), dqpart.stride(1), dqpart.stride(2), idx_c.stride(0), idx_c.stride(1),
+                dq_c.stride(0), dq_c.stride(1),
+                G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=p2(Dk, 16), num_warps=4)
+    if not write_dq:
         _bwd_dq_kernel[(Nq, H)](
             q, k, v, do, idx, lse, delta, dq, lay.row_seq, lay.cu_q, lay.cu_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
