@@ -123,8 +123,12 @@ def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype
             raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
 
 
-def prepare(cfg: DictConfig, entry: str) -> Job:
-    """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line."""
+def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
+    """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
+
+    ``here=False``: the job will run on another host (a SLURM launcher's): a named hardware profile is
+    not matched to this host's device, nor the backends' availability checked; the job does both
+    where it runs."""
     try:
         check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     except ToolchainError as e:
@@ -140,7 +144,7 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     seq = cfg.seq
     # Hardware: auto -> detected profile; a strict profile must match the device.
     try:
-        profile, note = hardware.resolve_profile(cfg.hardware)
+        profile, note = hardware.resolve_profile(cfg.hardware, check=here)
     except hardware.HardwareMismatch as e:
         raise ConfigError(str(e)) from e
     strict = cfg.hardware.get("strict", True)
@@ -189,7 +193,8 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
         cfg.backend[b] = plan[b]
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
-    check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
+    if here:
+        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     return Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
 
 

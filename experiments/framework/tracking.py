@@ -7,9 +7,9 @@ created or upgraded by one process at a time, under an exclusive ``flock`` on ``
 it: MLflow's schema migration is not safe against a second process doing the same (two first sweeps
 on a new store lost runs and left ``_alembic_tmp_*`` tables behind).
 
-Every run records the process that owns it (tags ``host``, ``pid``, ``process``), so a run left
-RUNNING by a process that was killed (SIGKILL, a lost node) can be told apart from a live one:
-:func:`stale` and :func:`close_stale` (``python -m experiments.close_stale``).
+Every run records the process that owns it (tags ``host``, ``pid``, ``process``; in a SLURM job also
+``slurm_job_id``), so a run left RUNNING by a process that was killed (SIGKILL, a lost node) can be
+told apart from a live one: :func:`stale` and :func:`close_stale` (``python -m experiments.close_stale``).
 """
 from __future__ import annotations
 
@@ -210,8 +210,14 @@ def _process_start(pid: int) -> str:
 
 
 def process_tags() -> dict[str, str]:
+    """The process that owns a run, the SLURM job it belongs to and the GPUs it may use (the last two
+    where set: ``slurm_job_id``, ``cuda_visible_devices``)."""
     pid = os.getpid()
-    return {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
+    tags = {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
+    for key, value in (("slurm_job_id", env.slurm_job_id()), ("cuda_visible_devices", env.cuda_visible_devices())):
+        if value is not None:
+            tags[key] = value
+    return tags
 
 
 _ENV: dict = {}
