@@ -1,5 +1,7 @@
-"""scripts/cluster.sh's cluster with its real services: the per-GPU launcher's pinning, the CPU cap, and
-16 processes writing into the MLflow server on PostgreSQL at once (and, for the record, into SQLite).
+"""scripts/cluster.sh's cluster with its real services: the README's sweeps through SLURM into the MLflow
+server (tags, the same results as the basic launcher, a job cancelled mid-sweep then resumed, SIGTERM to
+a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, and 16
+processes writing into the server on PostgreSQL at once (and, for the record, into SQLite).
 
 These tests use the cluster that ``scripts/cluster.sh up --fake-gpus 2`` started from this checkout
 (``.ci/run`` does). Without one they skip; a cluster that is up by its state (``.cluster/cluster.env``,
