@@ -296,6 +296,37 @@ def test_sigterm_to_a_slurm_sweep_cancels_its_jobs_and_leaves_nothing_running(cl
     assert kid.info.status == "KILLED" and kid.data.tags["error"] == "interrupted by SIGTERM", kid.data.tags  # its own
 
 
+def test_close_stale_asks_slurm_about_runs_of_other_hosts(cluster):
+    """A RUNNING run of a SLURM job on another host (a compute node): its process cannot be checked from
+    here, its job can. The run of an ended job is closed, the run of a job SLURM still runs is left."""
+    import mlflow
+
+    from experiments.framework import tracking
+
+    def sbatch(cmd: str) -> str:
+        return subprocess.run(["sbatch", "--parsable", "-c", "1", "-o", "/dev/null", "--wrap", cmd],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    ended, live = sbatch("true"), sbatch("sleep 120")
+    try:
+        c = mlflow.MlflowClient(cluster["MLFLOW_TRACKING_URI"])
+        exp = c.create_experiment(f"close-stale-{time.time_ns()}")
+        node = {"host": "another-node", "pid": "1", "process": "1:boot:1"}
+        parent = c.create_run(exp, tags=node).info.run_id
+        runs = {j: c.create_run(exp, tags={**node, "mlflow.parentRunId": parent, "slurm_job_id": j}).info.run_id
+                for j in (ended, live)}
+        deadline = time.monotonic() + 60
+        while squeue(ended) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert tracking.stale(c.get_run(parent)) is None  # no SLURM job: this host cannot tell
+        done = dict(tracking.close_stale(c, parent))
+        assert done[runs[ended]] == f"closed (KILLED): process 1 on another-node (SLURM job {ended}) is gone"
+        assert done[runs[live]].startswith("left RUNNING") and done[parent].startswith("left RUNNING")
+        assert [c.get_run(runs[j]).info.status for j in (ended, live)] == ["KILLED", "RUNNING"]
+    finally:
+        subprocess.run(["scancel", live], check=False)
+
+
 # ------------------------------------------------------------------ the per-GPU launcher: pinning and caps
 
 

@@ -56,6 +56,17 @@ def left_no_result(e: Exception) -> bool:
     return isinstance(e, UncompletedJobError)
 
 
+def slurm_ended(job_id: str) -> bool | None:
+    """Whether SLURM's accounting says the job ended; None where it cannot tell (no SLURM here, or a
+    job it does not know)."""
+    try:
+        from submitit import SlurmJob
+    except ImportError:
+        return None
+    state = SlurmJob.watcher.get_state(job_id, mode="force").split(" ")[0]  # UNKNOWN where sacct fails
+    return None if state == "UNKNOWN" else state in ("COMPLETED", *ENDS)
+
+
 def reason(job_id: str, state: str) -> str:
     """One line: which SLURM job, its state and what the state means."""
     what = ENDS.get(state.split()[0], "")

@@ -33,6 +33,7 @@ import nsa
 from nsa import env
 from nsa.toolchain import check_toolchain
 
+from . import launchers
 from .config import REPO, ConfigError, one_line
 from .hardware import Device
 from .logs import say
@@ -329,10 +330,13 @@ atexit.register(close_open, "KILLED", "the process exited without ending this ru
 # ================================================================================================
 def stale(run) -> bool | None:
     """True: RUNNING and its process is gone; False: ended, or its process lives; None: it ran on
-    another host (or recorded no process), so this host cannot tell."""
+    another host (or recorded no process), so this host cannot tell. A run of a SLURM job is judged by
+    SLURM's accounting, from any host that has it: stale once its job ended."""
     if run.info.status != "RUNNING":
         return False
     t = run.data.tags
+    if t.get("slurm_job_id") and (ended := launchers.slurm_ended(t["slurm_job_id"])) is not None:
+        return ended
     if t.get("host") != platform.node() or not t.get("process", "").split(":", 1)[-1]:
         return None
     pid = int(t["pid"])
@@ -353,7 +357,8 @@ def close_stale(client, rid: str, force: bool = False) -> list[tuple[str, str]]:
         if r.info.status != "RUNNING":
             continue
         s = stale(r)
-        where = f"process {r.data.tags.get('pid', '?')} on {r.data.tags.get('host', '?')}"
+        where = f"process {r.data.tags.get('pid', '?')} on {r.data.tags.get('host', '?')}" + (
+            f" (SLURM job {r.data.tags['slurm_job_id']})" if "slurm_job_id" in r.data.tags else "")
         if s or (s is None and force):
             why = "is gone" if s else "could not be checked from this host (closed with --force)"
             end_run(client, r.info.run_id, "KILLED", f"stale: {where} {why}")
