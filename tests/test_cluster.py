@@ -239,17 +239,24 @@ def test_summary_csv_and_plots_are_the_same_whatever_the_launcher(slurm_and_basi
     assert charts[0] == charts[1] and charts[0]  # the parent's curves (p50_ms/nsa, ...)
 
 
+def one_at_a_time(uri: str, tmp: Path, sweep: str, **params: str):
+    """A CPU decode sweep through SLURM, one job at a time (``sweep``: its lists), started in tmp; returns
+    once a job whose params hold ``params`` runs: (process, start, stderr lines read, parent, that run)."""
+    cmd = (f"python -m experiments.decode -m hardware=cpu hydra/launcher=slurm tracking=server tracking.uri={uri} "
+           f"{sweep} decode.per_branch=false hydra.launcher.array_parallelism=1")
+    t0, seen = time.monotonic(), []
+    p = start_sweep(cmd, tmp)
+    parent = parent_of(p, seen, t0 + 120)
+    return p, t0, seen, parent, wait_running(p, uri, parent, t0 + 180, **params)
+
+
 def test_scancelled_job_fails_with_slurm_state_and_resume_runs_it_alone(cluster, tmp_path):
     """Job 0 of 3 is cancelled (scancel) while it runs; the launcher stops at it, the sweep still waits for
     jobs 1 and 2 (one job at a time: they start after it). Job 0's run ends FAILED with SLURM's state,
     the parent FAILED with the counts, exit 1; the printed resume command runs job 0 alone."""
     uri = cluster["MLFLOW_TRACKING_URI"]
-    cmd = (f"python -m experiments.decode -m hardware=cpu hydra/launcher=slurm tracking=server tracking.uri={uri} "
-           f"seq=64 decode.per_branch=false model.timing.repeats={LONG},1,2 hydra.launcher.array_parallelism=1")
-    t0, seen = time.monotonic(), []
-    p = start_sweep(cmd, tmp_path)
-    parent = parent_of(p, seen, t0 + 120)
-    victim = wait_running(p, uri, parent, t0 + 180, **{"model.timing.repeats": str(LONG)})
+    p, t0, seen, parent, victim = one_at_a_time(uri, tmp_path, f"seq=64 model.timing.repeats={LONG},1,2",
+                                                **{"model.timing.repeats": str(LONG)})
     subprocess.run(["scancel", victim.data.tags["slurm_job_id"]], check=True)
     s = finish_sweep(p, t0)
     assert s.rc == 1, "".join(seen) + s.err[-3000:]
@@ -275,12 +282,8 @@ def test_sigterm_to_a_slurm_sweep_cancels_its_jobs_and_leaves_nothing_running(cl
     its SLURM jobs, the running job ends its run KILLED, the parent ends KILLED, exit 143; SLURM holds none
     of them afterwards, and no run is left RUNNING."""
     uri = cluster["MLFLOW_TRACKING_URI"]
-    cmd = (f"python -m experiments.decode -m hardware=cpu hydra/launcher=slurm tracking=server tracking.uri={uri} "
-           f"seq=64,128 decode.per_branch=false model.timing.repeats={LONG} hydra.launcher.array_parallelism=1")
-    t0, seen = time.monotonic(), []
-    p = start_sweep(cmd, tmp_path)
-    parent = parent_of(p, seen, t0 + 120)
-    job = wait_running(p, uri, parent, t0 + 180).data.tags["slurm_job_id"]
+    p, t0, seen, parent, first = one_at_a_time(uri, tmp_path, f"seq=64,128 model.timing.repeats={LONG}")
+    job = first.data.tags["slurm_job_id"]
     p.send_signal(signal.SIGTERM)
     s = finish_sweep(p, t0, timeout=120)
     assert s.rc == 143, s.err[-3000:]
