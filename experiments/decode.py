@@ -12,10 +12,20 @@ t = seq-1, which attends to seq keys (so the paper's count at S = seq applies). 
   with branch_force applied through ``measure.ForcedBranch``;
 * ``nsa``: the attention core, all three branches gated (branch_force=none), or the forced branch;
 * ``cmp``/``sel``/``win``: each branch alone (with branch_force=none and decode.per_branch);
-* ``dense``: torch SDPA decode over seq keys with the same heads and dims.
+* ``dense``: torch SDPA decode over seq keys with the same heads and dims;
+* the public NSA kernels of ``decode.peers`` (``experiments.peers``: ``fla``, on the same query, gates and
+  cache, where it can run the shape; else a tag ``peer_fla`` says why).
 
 Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
 batch and groups), beside the paper's formula; bytes are summed over batch and groups.
+
+Timing on a GPU (``decode.cuda_graph``): each row is captured ``decode.graph_reps`` times in a row in
+ONE CUDA graph, and the time of a replay divided by that number is the step's time (p20/p50/p80_ms).
+One replay costs the host a fixed launch: at B=1 on an H200 a graph holding one decode kernel replayed
+in 9.3 or 14.5 us at random, so one step per graph measured the launch, not the GPU's work.
+``single_replay_p50_ms`` keeps that figure (one step per graph, one replay). Column ``step_path``:
+``graph_decoder`` (nsa.decode.GraphDecoder) or ``module`` (the module's forward, and measure.core per
+branch, where the ``sel`` row also runs the compressed scoring that picks its blocks).
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from omegaconf import DictConfig
 from nsa import NSAAttention
 from nsa.decode import GraphDecoder
 
-from . import measure
+from . import measure, peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BRANCHES = ("cmp", "sel", "win")
@@ -53,7 +63,7 @@ def work(job: Job) -> Result:
     elem = torch.empty((), dtype=dt).element_size()
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     step_layer = layer if branch == "none" else measure.ForcedBranch(layer, branch)
-    rows, metrics = [], {}
+    rows, metrics, tags = [], {}, {}
     # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
     # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
     graphs = bool(d.cuda_graph) and dev.type == "cuda"
@@ -63,12 +73,18 @@ def work(job: Job) -> Result:
     def progress(i, name, q):
         log.info(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
 
+    def graph_capture(fn):
+        return measure.graph_step(fn, dev)
+
+    def time_step(capture, fn):
+        """Quantiles of one call of fn: from graphs of decode.graph_reps calls on CUDA, eager on CPU."""
+        if not graphs:
+            return measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
+        return measure.graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
+
     with torch.no_grad():
         cache = layer.new_cache(B, S, dev, dt)
-        for start in range(0, S - 1, d.prefill_chunk):  # fill positions 0 .. S-2
-            xc = torch.randn(B, min(d.prefill_chunk, S - 1 - start), c.dim, device=dev, dtype=dt)
-            layer._append(cache, xc, measure.project(layer, xc, start)[1])
-            cache.length = start + xc.shape[1]
+        measure.fill_cache(layer, cache, S - 1, d.prefill_chunk)  # positions 0 .. S-2
         xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
 
         def layer_step():
@@ -79,11 +95,9 @@ def work(job: Job) -> Result:
             # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
             dec = GraphDecoder(layer, cache)
             forced = BRANCHES if branch == "none" else (branch,)
-            step = dec.graph(dec.step_fn(xs, branches=forced, advance=False)).replay
-            times = {"layer": measure.quantiles(measure.time_ms(step, dev, d.warmup, d.repeats))}
+            times = {"layer": time_step(lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
         else:
-            fn = measure.graph_step(layer_step, dev) if graphs else layer_step
-            times = {"layer": measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))}
+            times = {"layer": time_step(graph_capture, layer_step)}
         progress(1, "layer", times["layer"])
         cache.length = S
         inp = measure.cache_inputs(layer, cache, xs)
@@ -104,8 +118,8 @@ def work(job: Job) -> Result:
         for i, v in enumerate(timed[1:-1], 2):
             if use_decoder:
                 brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
-                g = dec.graph(lambda brs=brs, v=v: dec.attend(q_d, g_d, branches=brs, combine=(v == "nsa")))
-                times[v] = measure.quantiles(measure.time_ms(g.replay, dev, d.warmup, d.repeats))
+                times[v] = time_step(lambda f: dec.graph(f).replay,
+                                     lambda brs=brs, v=v: dec.attend(q_d, g_d, branches=brs, combine=(v == "nsa")))
                 progress(i, v, times[v])
                 continue
             forced = branch if v == "nsa" else v
@@ -113,19 +127,25 @@ def work(job: Job) -> Result:
             def step(forced=forced):
                 measure.core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
 
-            fn = measure.graph_step(step, dev) if graphs else step
-            times[v] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
+            times[v] = time_step(graph_capture, step)
             progress(i, v, times[v])
         qd, kd, vd = inp.q, inp.k_win, inp.v_win
-        dense = (lambda: measure.dense_attention(qd, kd, vd, causal=False))
-        fn = measure.graph_step(dense, dev) if graphs else dense
-        times["dense"] = measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
+        times["dense"] = time_step(graph_capture, lambda: measure.dense_attention(qd, kd, vd, causal=False))
         progress(len(timed), "dense", times["dense"])
+        peer = peers.rows(d.peers, inp, c, dev, tags)
+        for v, p in peer.items():
+            timed.append(v)
+            times[v] = measure.quantiles(measure.time_ms(measure.graph_step(p.fn, dev) if graphs else p.fn, dev,
+                                                         d.warmup, d.repeats))
+            progress(len(timed), v, times[v])
 
     for v in timed:
         if v == "dense":
             tok = torch.full((B, 1, c.n_kv_heads), S)
             formula = S
+        elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
+            tok = S + sum(parts[b] for b in peer[v].branches).cpu()
+            formula = measure.formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
         else:
             what = branch if v in ("layer", "nsa") else v
             tok = measure.variant_tokens(what, parts).cpu()
@@ -138,6 +158,7 @@ def work(job: Job) -> Result:
         gbps = kv_bytes / (q["p50_ms"] * 1e-3) / 1e9
         row = {
             "seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+            "step_path": "graph_decoder" if use_decoder else "module",
             "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
             "dtype": str(dt).replace("torch.", ""),
             **q,
@@ -154,7 +175,8 @@ def work(job: Job) -> Result:
     headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
                 "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
                 "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
-    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")))
+    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")),
+                  tags=tags)
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")

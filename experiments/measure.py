@@ -77,6 +77,18 @@ def project(layer: NSAAttention, x: torch.Tensor, start: int = 0) -> tuple[torch
     return layer._project(x, pos)
 
 
+@torch.no_grad()
+def fill_cache(layer: NSAAttention, cache, n: int, chunk: int) -> None:
+    """Positions 0 .. n-1 of ``cache`` filled with the layer's keys/values of random tokens, ``chunk``
+    tokens at a time (what a prefill leaves there: one layer's cache does not depend on its attention
+    outputs), so that long contexts need no full-length activations."""
+    p = next(layer.parameters())
+    for start in range(0, n, chunk):
+        xc = torch.randn(cache.batch_size, min(chunk, n - start), layer.config.dim, device=p.device, dtype=p.dtype)
+        layer._append(cache, xc, project(layer, xc, start)[1])
+        cache.length = start + xc.shape[1]
+
+
 def prefill_inputs(layer: NSAAttention, x: torch.Tensor) -> CoreInputs:
     """Core inputs of a whole-sequence (prefill) call: q, compressed and raw keys from the layer."""
     q, kv, gates = project(layer, x)
@@ -140,8 +152,7 @@ def dense_attention(q, k, v, causal: bool, kernel: str = "auto"):
 # Timing
 # ------------------------------------------------------------------------------------------------
 def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    """CUDA-graph hook for decode steps: capture ``fn`` once (static inputs) and replay it.
-    When nsa exposes its own graph-capturable step API, return that here instead."""
+    """CUDA-graph hook for decode steps: capture ``fn`` once (static inputs) and replay it."""
     if device.type != "cuda":
         raise ValueError("decode.cuda_graph=true needs a CUDA device")
     s = torch.cuda.Stream()
@@ -154,6 +165,29 @@ def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], o
     with torch.cuda.graph(g):
         fn()
     return g.replay
+
+
+def repeated(fn: Callable[[], object], n: int) -> Callable[[], object]:
+    """``fn`` called ``n`` times in a row (returns the last result): the body of a graph of n steps."""
+    def run():
+        out = None
+        for _ in range(n):
+            out = fn()
+        return out
+    return run
+
+
+def graph_ms(capture: Callable, fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+             reps: int) -> dict[str, float]:
+    """Quantiles of the time of one call of ``fn`` on the GPU: ``capture`` (``graph_step``, or a
+    ``GraphDecoder``'s ``graph(...).replay``) takes ``reps`` calls of fn into ONE CUDA graph, each
+    replay is timed with CUDA events and divided by reps. A replay costs the host a fixed launch
+    (at B=1 on an H200 a graph of one decode kernel replayed in 9.3 or 14.5 us, at random): one call
+    per graph measures that launch, reps calls per graph spread it over the calls and leave the GPU's
+    own time. ``single_replay_p50_ms``: the median of graphs of one call (host launch included)."""
+    many = quantiles([t / reps for t in time_ms(capture(repeated(fn, reps)), device, warmup, repeats)])
+    one = quantiles(time_ms(capture(fn), device, warmup, repeats))
+    return {**many, "single_replay_p50_ms": one["p50_ms"]}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:

@@ -7,7 +7,9 @@ Queries, keys, values and gates come from an NSAAttention layer on random input 
 phi included), then detached: the timed work is attention only (``measure.core``), like the
 dense baseline (SDPA, is_causal=True, grouped heads). Rows: ``nsa`` (all branches, or the forced one),
 ``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense`` (SDPA picks its
-kernel) and, on CUDA with prefill.dense_flash, ``dense_flash`` (SDPA forced to FlashAttention-2).
+kernel), on CUDA with prefill.dense_flash ``dense_flash`` (SDPA forced to FlashAttention-2), and the
+public NSA kernels of ``prefill.peers`` (``experiments.peers``: ``fla``, where it can run the shape; else a
+tag ``peer_fla`` says why).
 With prefill.profile, one forward and one forward+backward of each NSA row run under torch.profiler:
 the tables (kernels by device time) are printed and logged on the run as ``profile/<row>_*.txt``.
 
@@ -25,7 +27,7 @@ from omegaconf import DictConfig
 
 from nsa import NSAAttention
 
-from . import measure
+from . import measure, peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BWD_FACTOR = 3.5
@@ -64,13 +66,16 @@ def work(job: Job) -> Result:
     dense, tags = dense_variants(p.dense_flash, c, dev.type)
     for note in tags.values():
         log.info(f"[prefill] seq={S}: {note}")
-    timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense
+    peer = peers.rows(p.peers, inp, c, dev, tags)
+    timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense + list(peer)
     leaves = list(inp.tensors().values())
 
     def run(v):
         if v in ("dense", "dense_flash"):
             return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True,
                                            kernel="flash" if v == "dense_flash" else "auto")
+        if v in peer:
+            return peer[v].fn()
         return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
 
     times, rows, texts = {}, [], {}
@@ -101,23 +106,25 @@ def work(job: Job) -> Result:
     for v in timed:
         if v in dense:
             tok = (t_pos + 1).expand(B, S, c.n_kv_heads)
+        elif v in peer:
+            tok = sum(parts[b] for b in peer[v].branches)
         else:
             tok = measure.variant_tokens(branch if v == "nsa" else v, parts)
         flop = 2.0 * (c.d_k + c.d_v) * c.G * float(tok.sum())
         q = times[v]
-        row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+        row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch, "query_heads_per_group_G": c.G,
                "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
                "dtype": str(dt).replace("torch.", ""), **q,
                "kv_tokens_per_query_per_group": float(tok.double().mean()),
                "attn_fwd_flop": flop,
                "fwd_tflop_per_s": flop / (q["fwd_p50_ms"] * 1e-3) / 1e12,
                "fwd_tflop_roofline_pct": 100.0 * flop / (q["fwd_p50_ms"] * 1e-3) / 1e12 / peak,
-               **{f"fwd_speedup_vs_{d}_x": times[d]["fwd_p50_ms"] / q["fwd_p50_ms"] for d in dense if d != v}}
+               **{f"fwd_speedup_vs_{d}_x": times[d]["fwd_p50_ms"] / q["fwd_p50_ms"] for d in dense + list(peer) if d != v}}
         if p.backward:
             row.update({"attn_fwd_bwd_flop": BWD_FACTOR * flop,
                         "fwd_bwd_tflop_per_s": BWD_FACTOR * flop / (q["fwd_bwd_p50_ms"] * 1e-3) / 1e12,
                         **{f"fwd_bwd_speedup_vs_{d}_x": times[d]["fwd_bwd_p50_ms"] / q["fwd_bwd_p50_ms"]
-                           for d in dense if d != v}})
+                           for d in dense + list(peer) if d != v}})
         rows.append(row)
     for path, text in texts.items():
         log.info(f"[prefill] seq={S} {path}:\n{text}")
@@ -125,7 +132,7 @@ def work(job: Job) -> Result:
     timings = ("fwd", "fwd_bwd") if p.backward else ("fwd",)
     headline = {**{f"nsa_{t}_p50_ms": nsa[f"{t}_p50_ms"] for t in timings},
                 **{f"dense_{t}_p50_ms": base[f"{t}_p50_ms"] for t in timings},
-                **{f"nsa_{t}_speedup_vs_dense_x": nsa[f"{t}_speedup_vs_dense_x"] for t in timings},
+                **{f"nsa_{t}_speedup_vs_{d}_x": nsa[f"{t}_speedup_vs_{d}_x"] for t in timings for d in ["dense", *peer]},
                 "nsa_fwd_tflop_per_s": nsa["fwd_tflop_per_s"]}
     charts = Charts("seq_tokens", "variant", tuple(f"{t}_{y}" for y in ("p50_ms", "speedup_vs_dense_x") for t in timings))
     return Result(rows, {}, headline=headline, charts=charts, tags=tags, texts=texts)

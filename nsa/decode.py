@@ -174,17 +174,21 @@ class GraphDecoder:
             new = blk.mean(dim=3) if phi is None else phi(blk)
             ext.index_copy_(1, row, new)
 
-    def attend(self, q, gates, *, position: int | None = None, branches=BRANCHES, combine=True, count=False):
+    def attend(self, q, gates, *, position: int | None = None, branches=BRANCHES, combine=True, count=False,
+               combine_branches=None, topk=True):
         """The attention kernels alone for the query at the decoder's position (``position``, if given,
         sets it first) -> ``[B,HQ,Dv]`` (a workspace, overwritten by the next call): the sum over
         ``branches`` of g_b * o_b; ``combine=False`` skips the gated sum (timing); ``count=True``
-        fills :meth:`token_counts`. The selected branch reads the blocks the last cmp branch chose."""
+        fills :meth:`token_counts`. The selected branch reads the blocks the last cmp branch chose.
+        Timing the parts (``experiments.kernels op=decode``): ``branches=(), combine_branches=BRANCHES``
+        runs the combine alone; ``topk=False`` the compressed pass without its top-n."""
         if position is not None:
             self._pos.fill_(position)
         cache = self.cache
         dispatch.record_ran({b: self._ran[b] for b in branches})
         return self._kernels.attend(q, gates, self._pos, self._k_cmp_ext, self._v_cmp_ext, cache.k_sel, cache.v_sel,
-                                    cache.k_win, cache.v_win, branches=branches, combine=combine, count=count)
+                                    cache.k_win, cache.v_win, branches=branches, combine=combine, count=count,
+                                    combine_branches=combine_branches, topk=topk)
 
     def _body(self, x, branches=BRANCHES, count=False, advance=True):
         c = self.config

@@ -13,6 +13,8 @@
   in a job's processes; a run started in one is tagged with its job id.
 * ``CUDA_VISIBLE_DEVICES`` (:func:`cuda_visible_devices`): the GPUs this process may use (a scheduler
   sets it to the job's own); a run is tagged with it.
+* :func:`child_environment`: this process's environment for a subprocess (``experiments.validate``
+  runs the kernel tests in pytest), with ``TRITON_INTERPRET`` set or removed and a ``PYTHONPATH`` first.
 
 Everything else reaches the library as explicit arguments, filled from Hydra configs.
 """
@@ -71,3 +73,13 @@ def mlflow_http_probe(timeout_s: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def child_environment(*, triton_interpret: bool, pythonpath: str) -> dict[str, str]:
+    """A copy of this environment for a subprocess: ``TRITON_INTERPRET=1`` (Triton's interpreter) or
+    no ``TRITON_INTERPRET`` at all (compiled kernels), and ``pythonpath`` before any ``PYTHONPATH``."""
+    out = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton_interpret:
+        out["TRITON_INTERPRET"] = "1"
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, out.get("PYTHONPATH", "")) if p)
+    return out

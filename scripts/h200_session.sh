@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call on a GPU host without network (the H200 box): install the carried wheelhouse
-# (python scripts/wheelhouse.py --dest .whl), then run prefill, decode and parity into an MLflow store
-# under $OUT (default ./gpu_out). Each step has its own time limit; a step that fails is logged.
+# (python scripts/wheelhouse.py --dest .whl [--peers]), then run prefill, decode and parity (and, in STEPS,
+# kernels) into an MLflow store under $OUT (default ./gpu_out). Each step has its own time limit; a step
+# that fails is logged.
 #   bash scripts/h200_session.sh            (SEQS=65536 STEPS="prefill parity" bash ... for a subset;
-#                                             PREFILL_ARGS="backend.win=triton,fa2" adds overrides/sweeps)
+#                                             PREFILL_ARGS="backend.win=triton,fa2" adds overrides/sweeps;
+#                                             STEPS=kernels OPS=selection,compressed KERNELS_ARGS=... the ops)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -19,6 +21,8 @@ has prefill && run "${T_PREFILL:-170}" -m experiments.prefill -m hardware=h200 m
     model.timing.warmup=2 model.timing.repeats=8 ${PREFILL_ARGS:-}
 has decode && run "${T_DECODE:-130}" -m experiments.decode -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.batch=64 model.timing.warmup=5 model.timing.repeats=50
+has kernels && run "${T_KERNELS:-500}" -m experiments.kernels -m hardware=h200 "$TRK" seq="$SEQS" \
+    op="${OPS:-selection,compressed,topn,window,gate,layer,decode}" ${KERNELS_ARGS:-}
 has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware=h200 model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" outputs mlruns 2>/dev/null  # at most 8 files come back: one archive
 ls -la "$OUT"

@@ -6,7 +6,7 @@ pytest (...) but no network needs hydra-core, omegaconf, antlr4-python3-runtime 
 dependencies it lacks. Build them here, where pip reaches the index, carry the folder along, and install
 there with no index::
 
-    python scripts/wheelhouse.py --dest .whl --python-version 3.12
+    python scripts/wheelhouse.py --dest .whl --python-version 3.12     # --peers: also fla-core
     # on the GPU host, from the repository root:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 
@@ -120,6 +120,14 @@ def resolve(python_version: str, roots: list[str]) -> dict[str, str]:
     return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in data["install"]}
 
 
+def peers_extra() -> list[str]:
+    """The requirements of pyproject.toml's ``peers`` extra."""
+    import tomllib  # Python >= 3.11 (where this script runs: the machine that builds the house)
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    return tomllib.loads(text)["project"]["optional-dependencies"]["peers"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dest", default=".whl", help="folder for the wheels (git-ignored; default .whl)")
@@ -128,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="'h200' (built-in list of the H200 box) or a file of `pip freeze`/`pip list` from the host")
     ap.add_argument("--full", action="store_true", help="keep MLflow's server-side dependencies too")
     ap.add_argument("--max-mb", type=float, default=40.0, help="fail if the house is larger (default 40 MB)")
+    ap.add_argument("--peers", action="store_true",
+                    help="also the `peers` extra of pyproject.toml (fla-core: the fla row of prefill and decode)")
     args = ap.parse_args(argv)
+    roots = ROOTS + (peers_extra() if args.peers else [])
 
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -137,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # hydra-core/omegaconf need antlr4 4.9.*, which has no wheel: take them pinned with no deps and resolve
     # the rest with its closure, so the binary-only resolver never backtracks to hydra-core 0.11.
-    print(f"resolving {', '.join(ROOTS)} for CPython {args.python_version} manylinux x86-64 ...", flush=True)
-    closure = resolve(args.python_version, [r for r in ROOTS if "==" not in r])
-    for r in ROOTS:
+    print(f"resolving {', '.join(roots)} for CPython {args.python_version} manylinux x86-64 ...", flush=True)
+    closure = resolve(args.python_version, [r for r in roots if "==" not in r])
+    for r in roots:
         if "==" in r:
             n, v = r.split("==")
             closure[norm(n)] = v

@@ -1,7 +1,9 @@
-"""Shared fixtures for the NSA core tests: configs and random float64 inputs, packed documents, and the
-``gpu`` marker's rule (deselected where CUDA is not available)."""
+"""Shared fixtures for the NSA core tests: configs and random float64 inputs, packed documents, the
+``gpu`` marker's rule (deselected where CUDA is not available; ``-m gpu`` collects only the GPU modules),
+a skip for a backend that cannot run on this device, and the ``--inject-fault`` test switch."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 
@@ -71,6 +73,42 @@ def dense_causal_attention(q, k, v, scale=None):
     t = torch.arange(S - T, S)[:, None]
     s = s.masked_fill(torch.arange(S)[None, :] > t, float("-inf"))
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, dim=-1), vv)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inject-fault", default=None, choices=("cmp", "sel", "win"),
+                     help="test switch: that branch's output is wrong in every backend but the reference "
+                          "(experiments/validation/faults.py); the kernel tests must then fail")
+
+
+@pytest.fixture(autouse=True)
+def _injected_fault(request):
+    branch = request.config.getoption("--inject-fault")
+    if branch is None:
+        yield
+        return
+    from experiments.validation import faults
+
+    with faults.inject(branch):
+        yield
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m gpu`` collects only the GPU modules (tests/test_*_gpu.py): the interpreter's test modules set
+    TRITON_INTERPRET=1 when imported, which would turn the compiled GPU tests into interpreted ones."""
+    if config.getoption("markexpr") == "gpu" and collection_path.suffix == ".py" \
+            and collection_path.name.startswith("test_") and not collection_path.stem.endswith("_gpu"):
+        return True
+    return None
+
+
+UNAVAILABLE = "unavailable here: "
+
+
+def skip_unavailable(reason: str):
+    """Skip a test whose backend cannot run this path on this device, by the backend's own check (its
+    reason): experiments.validate reports such a test as not run here, any other skip as a failure."""
+    pytest.skip(UNAVAILABLE + reason)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -168,3 +206,46 @@ def check_empty_inputs(backend: str, B: int, T: int, dtype=F64, win: str | None 
         if B:  # a cache needs a batch; T = 0 appends nothing
             cache = layer.new_cache(B, 16)
             assert layer(xs, cache).shape == (B, T, cfg.dim) and cache.length == T
+
+
+@pytest.fixture(scope="module")
+def fast_interpreter():
+    """Triton's interpreter re-patches triton.language on every nested @jit call (tl.max, tl.sum,
+    tl.cdiv ...), ~5 ms each; skip a re-patch of modules the running kernel already patched.
+    Test-speed only (the patched names are the same either way); restored after the module that
+    uses it (``pytest.mark.usefixtures("fast_interpreter")``)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    if not (hasattr(interp, "_patch_lang") and hasattr(interp, "_LangPatchScope")):
+        # Older interpreters (triton 3.0: _patch_lang returns nothing to restore; 2.3: no
+        # _patch_lang function) run unchanged, just slower.
+        yield
+        return
+    orig = interp._patch_lang
+    state = {"done": None}
+
+    class _Null:
+        def restore(self):
+            pass
+
+    def fast(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if state["done"] is not None and langs <= state["done"]:
+            return _Null()
+        scope = orig(fn)
+        if state["done"] is None:
+            inner = scope.restore
+
+            def restore():
+                state["done"] = None
+                inner()
+            scope.restore = restore
+            state["done"] = langs
+        else:
+            state["done"] = state["done"] | langs
+        return scope
+
+    interp._patch_lang = fast
+    yield
+    interp._patch_lang = orig

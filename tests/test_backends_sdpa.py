@@ -1,7 +1,7 @@
 """The ``sdpa`` and ``fa2`` backends on the CPU: what runs there equals the reference, and every
 branch they cannot run raises ``BackendUnavailable`` naming the branch and the reason (no silent
-fallback). Their CUDA paths (FlexAttention, PyTorch's FlashAttention-2) are checked in bf16 against
-the reference by scripts/bench_cmp_win.py on a GPU.
+fallback). Their CUDA paths (FlexAttention, PyTorch's FlashAttention-2) are measured in bf16 against
+the reference by `python -m experiments.kernels op=window` on a GPU (metrics check_sdpa_*, check_fa2_*).
 """
 
 from __future__ import annotations

@@ -21,12 +21,15 @@ from omegaconf import OmegaConf
 from experiments.framework import cli
 
 CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's command
-ENTRIES = ("decode", "prefill", "parity")
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate")
+INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
 # Commands against the team server run where the server runs: tests/test_cluster.py runs the README's
 # cluster block as written against `scripts/cluster.sh up` (CI starts it).
 NEEDS_CLUSTER = re.compile(r"tracking=server\b|hydra/launcher=(slurm|per_gpu)\b")
+# experiments.validate on the CPU takes minutes: tests/test_validate.py runs its documented commands.
+RUN_BY_TEST_VALIDATE = re.compile(r"experiments\.validate hardware=cpu\b")
 
 
 def documented_commands() -> list[str]:
@@ -40,14 +43,21 @@ def documented_commands() -> list[str]:
     cmds = set()
     for seg in (seg for t in texts for line in t.splitlines() for seg in line.split("&&")):
         seg = " ".join(seg.split("#")[0].split())
+        env, seg = (INTERPRET, seg[len(INTERPRET):]) if seg.startswith(INTERPRET) else ("", seg)
         if re.match(r"python3? -m experiments\.\w+(\s|$)", seg) and "<" not in seg:
-            cmds.add("python " + seg.split(" ", 1)[1])
+            cmds.add(env + "python " + seg.split(" ", 1)[1])
     return sorted(cmds)
+
+
+def argv(cmd: str) -> tuple[list[str], dict]:
+    """A documented command's arguments after ``python``, and the environment it names."""
+    env = {"TRITON_INTERPRET": "1"} if cmd.startswith(INTERPRET) else {}
+    return cmd.removeprefix(INTERPRET).split()[1:], env
 
 
 def local_commands() -> list[str]:
     """The documented commands this test module runs (the cluster's run in tests/test_cluster.py)."""
-    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c)]
+    return [c for c in documented_commands() if not NEEDS_CLUSTER.search(c) and not RUN_BY_TEST_VALIDATE.search(c)]
 
 
 def test_overrides_move_in_front_of_the_flags():
@@ -108,7 +118,8 @@ def cli_runs(tmp_path_factory):
     for cmd in local_commands():  # as written, each in a directory of its own (the default store)
         tmp = tmp_path_factory.mktemp("doc")
         shutil.copy(template, tmp / "mlflow.db")
-        procs[cmd] = (tmp, subprocess.Popen([sys.executable, *cmd.split()[1:]], cwd=tmp, env=entrypoints.env(),
+        args, extra = argv(cmd)
+        procs[cmd] = (tmp, subprocess.Popen([sys.executable, *args], cwd=tmp, env=entrypoints.env(**extra),
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     tmp = tmp_path_factory.mktemp("help")
     procs["help_sweep"] = (tmp, start(tmp, "decode", "--help", "-m", "seq=1,2", "hydra.verbose=false", name=None,
@@ -192,8 +203,8 @@ def test_documented_commands_cover_the_card_and_every_entry():
     cmds = documented_commands()
     assert "python -m experiments.decode " + " ".join(CARD) in cmds  # the design card's
     assert "python -m experiments.decode hardware=cpu -m seq=256,512" in cmds  # its form, on a CPU
-    assert {c.split()[2] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
-    assert any(not NEEDS_GPU.search(c) and c.split()[2] == f"experiments.{e}" for e in ENTRIES for c in cmds)
+    assert {argv(c)[0][1] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
+    assert any(not NEEDS_GPU.search(c) and argv(c)[0][1] == f"experiments.{e}" for e in ENTRIES for c in cmds)
     # every cluster command is the README cluster block's run line, which tests/test_cluster.py runs
     readme = (REPO / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
     block = " ".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).split("\n")

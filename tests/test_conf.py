@@ -13,7 +13,8 @@ from experiments.framework import config, hardware
 CONF = Path(__file__).resolve().parent.parent / "conf"
 ENTRIES = ("decode", "prefill", "parity")
 TRAIN_GROUPS = ("lm", "attention", "data", "train")  # conf/train.yaml's own groups: tests/test_lm_conf.py composes them
-GROUPS = {g: opts for g, opts in config.groups().items() if g not in TRAIN_GROUPS}
+KERNEL_GROUPS = ("op",)  # conf/kernels.yaml's own group: tests/test_kernels.py composes it
+GROUPS = {g: opts for g, opts in config.groups().items() if g not in TRAIN_GROUPS + KERNEL_GROUPS}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,6 +129,8 @@ def test_models():
     ("parity", ["parity.ref_dtype=nosuch"], "parity.ref_dtype='nosuch': one of float64"),
     ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a number >= 0"),
     ("parity", ["~parity.batch"], "parity.batch: missing"),
+    ("prefill", ["prefill.peers=[flax]"], "prefill.peers=['flax']: must be a list of peer names from: fla"),
+    ("decode", ["decode.peers=fla"], "decode.peers='fla': must be a list of peer names from: fla"),
 ])
 def test_bad_configs_raise_one_line(entry, over, needle):
     with pytest.raises(config.ConfigError) as e:

@@ -15,8 +15,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
-import inspect
-
 import pytest
 import torch
 
@@ -27,51 +25,10 @@ from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning
 from nsa.decode import GraphDecoder, tokens_read
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
-pytestmark = pytest.mark.skipif(_OLD_INTERPRETER is not None, reason=_OLD_INTERPRETER or "")
+pytestmark = [pytest.mark.skipif(_OLD_INTERPRETER is not None, reason=_OLD_INTERPRETER or ""),
+              pytest.mark.usefixtures("fast_interpreter")]
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fast_interpreter():
-    """Triton's interpreter re-patches triton.language on every nested @jit call (tl.max, tl.sum,
-    tl.cdiv ...), ~5 ms each; skip a re-patch of modules the running kernel already patched.
-    Test-speed only (the patched names are the same either way); restored after this module."""
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    if not (hasattr(interp, "_patch_lang") and hasattr(interp, "_LangPatchScope")):
-        # Older interpreters (triton 3.0: _patch_lang returns nothing to restore; 2.3: no
-        # _patch_lang function) run unchanged, just slower.
-        yield
-        return
-    orig = interp._patch_lang
-    state = {"done": None}
-
-    class _Null:
-        def restore(self):
-            pass
-
-    def fast(fn):
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-        if state["done"] is not None and langs <= state["done"]:
-            return _Null()
-        scope = orig(fn)
-        if state["done"] is None:
-            inner = scope.restore
-
-            def restore():
-                state["done"] = None
-                inner()
-            scope.restore = restore
-            state["done"] = langs
-        else:
-            state["done"] = state["done"] | langs
-        return scope
-
-    interp._patch_lang = fast
-    yield
-    interp._patch_lang = orig
 
 
 def _cfg(HQ, H, Dk, Dv, **kw):

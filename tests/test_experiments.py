@@ -127,11 +127,12 @@ def test_decode_csv_columns_mean_what_they_say(runs):
             if v != "dense":  # dense vs itself would be 1 by definition: no column value
                 assert float(r["speedup_vs_dense_x"]) == pytest.approx(float(rows["dense"]["p50_ms"]) / p50)
         # The paper's formula beside the count: equal with complete blocks, larger with a partial one.
+        assert {r["step_path"] for r in rows.values()} == {"module"}  # a CPU: the module's forward, no graphs
         f = int(rows["nsa"]["kv_tokens_formula_per_step_per_group"])
         assert f == (S - 16) // 8 + 1 + min(64, S) + min(32, S)
         assert (f == exp["nsa"]) == (S % TINY["l_sel"] == 0)
         assert all(c.endswith(("_ms", "_tokens", "_seqs", "_per_group", "_per_step", "_per_s", "_pct", "_x"))
-                   or c in ("variant", "branch_force", "backend_cmp", "backend_sel", "backend_win", "dtype")
+                   or c in ("variant", "branch_force", "backend_cmp", "backend_sel", "backend_win", "dtype", "step_path")
                    for c in rows["nsa"])
 
 

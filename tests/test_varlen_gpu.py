@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARG_ORDER, cu_of, per_document
+from conftest import ARG_ORDER, cu_of, per_document, skip_unavailable
 
 from nsa import NSAAttention, NSAConfig, dispatch, env
 from nsa import functional as fn
@@ -93,10 +93,10 @@ def test_triton_forward_without_gradient_equals_each_document_alone():
 def test_window_backends_equal_each_document_alone(backend):
     """The window branch on FlexAttention with a document mask (sdpa), varlen FlashAttention-2 (fa2) and
     triton, forward and backward. fa2 without flash-attn needs a torch whose varlen_attn has window_size:
-    where it has not, the test reports the backend's reason as a skip."""
+    where it has not, the test reports the backend's reason as a skip (unavailable here)."""
     reason = dispatch.get(backend).varlen_unavailable("win", torch.device("cuda"), BF16)
     if reason is not None:
-        pytest.skip(reason)
+        skip_unavailable(reason)
     x = _inputs(CFG, LENS, seed=2)
     ins = [x["q"], x["k_win"], x["v_win"]]
     w = torch.randn(1, sum(LENS), CFG.n_heads, CFG.d_v, device="cuda", dtype=BF16)

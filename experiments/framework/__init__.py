@@ -1,4 +1,4 @@
-"""The experiment framework shared by the entry points (decode, prefill, parity), by concern:
+"""The experiment framework shared by the entry points (decode, prefill, parity, kernels, ...), by concern:
 
 * :mod:`.cli`       the command line: argument order, pre-checks, signals, exit codes (``launch``)
 * :mod:`.config`    validation: ``prepare(cfg) -> Job`` or a one-line ``ConfigError``

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import HydraException
@@ -119,6 +120,17 @@ def normalize(argv: list[str]) -> list[str]:
     return overrides + flags
 
 
+def config_dirs(argv: list[str]) -> list[Path]:
+    """The directories of ``-cd DIR`` / ``--config-dir DIR`` / ``--config-dir=DIR``."""
+    out = []
+    for i, a in enumerate(argv):
+        if a in ("-cd", "--config-dir") and i + 1 < len(argv):
+            out.append(Path(argv[i + 1]))
+        elif a.startswith("--config-dir="):
+            out.append(Path(a.split("=", 1)[1]))
+    return out
+
+
 def precheck(argv: list[str], entry: str) -> None:
     """Before Hydra: every override parses, group options exist, the config composes with the
     overrides that are not sweeps (the sweeper checks each job's). One line and exit 2 otherwise."""
@@ -126,6 +138,9 @@ def precheck(argv: list[str], entry: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     known = groups()
+    for extra in config_dirs(argv):  # -cd DIR: its options too (e.g. a hardware profile experiments.validate wrote)
+        for g, opts in groups(extra).items() if extra.is_dir() else ():
+            known[g] = sorted(set(known.get(g, [])) | set(opts))
     parser = OverridesParser.create()
     plain, multirun = [], any(a in MULTIRUN for a in argv)
     for arg in (a for a in argv if _is_override(a)):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import nsa
@@ -56,14 +56,19 @@ def one_line(e: BaseException) -> str:
 
 
 # Typed keys of each section (checked where the section exists: decode.* only for the decode entry).
+PEERS = ("fla",)  # public NSA kernels with a row in prefill and decode (experiments/peers.py)
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
+_PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.graph_reps": _INT1, "decode.peers": _PEERS,
+    "prefill.peers": _PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
+    "kernels.batch": _INT1, "kernels.warmup_ms": _POSITIVE, "kernels.rep_ms": _POSITIVE, "kernels.cpu_repeats": _INT1,
+    "kernels.check_seq": _INT1, "kernels.backward": _BOOL, "kernels.once": _BOOL, "kernels.peers": _BOOL,
 }
 TOLERANCES = ("max_abs", "rel_l2", "index_mismatch", "near_tie_rel")  # parity.tol.<dtype>.<name>: numbers >= 0
 
@@ -75,6 +80,8 @@ def _is_int(v) -> bool:
 def _valid(v, rule: str) -> bool:
     if rule == _BOOL:
         return isinstance(v, bool)
+    if rule == _PEERS:
+        return isinstance(v, ListConfig) and all(x in PEERS for x in v)
     if rule == _POSITIVE:
         return (_is_int(v) or isinstance(v, float)) and v > 0
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
@@ -103,6 +110,17 @@ def check_types(cfg: DictConfig) -> None:
                 raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
 
 
+def check_tuning(node: DictConfig) -> None:
+    """``tuning`` ({op: {key: value}}, applied with ``nsa.backends.triton.tuning.overrides``): every op,
+    key and value known to ``tuning.validate``."""
+    from nsa.backends.triton import tuning
+
+    try:
+        tuning.validate(OmegaConf.to_container(node, resolve=True))
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from e
+
+
 def branches_used(entry: str, branch: str) -> tuple[str, ...]:
     """The branches whose backend a job runs. decode and prefill always run the compressed branch's
     scoring (the selected blocks count the tokens read); parity runs only the forced branch (and
@@ -123,6 +141,28 @@ def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype
             raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
 
 
+def backend_by_seq(policy, branch: str, seq: int, profile: str) -> tuple[str, str] | None:
+    """``policy.by_seq.<branch>``: ``[{min_seq, backend}, ...]`` with min_seq ascending (a hardware profile
+    written by ``experiments.validate``'s window thresholds). Where a branch's backend is not named
+    (``backend=auto``), the entry with the largest min_seq <= seq picks it: (backend, the note recorded
+    on the run), or None where the profile has no such list or no entry applies."""
+    entries = (policy.get("by_seq") or {}).get(branch)
+    if not entries:
+        return None
+    where = f"hardware.policy.by_seq.{branch}"
+    last, chosen = -1, None
+    for i, e in enumerate(entries):
+        lo, name = e.get("min_seq"), e.get("backend")
+        if not _is_int(lo) or lo <= last:
+            raise ConfigError(f"{where}[{i}].min_seq={lo!r}: must be an integer >= 0, ascending")
+        if name not in dispatch.known_backends():
+            raise ConfigError(f"{where}[{i}].backend={name!r}: unknown backend; known: {', '.join(dispatch.known_backends())}")
+        last = lo
+        if lo <= seq:
+            chosen = (name, f"{branch}: {name} at seq={seq} (hardware={profile} policy.by_seq: from {lo} tokens)")
+    return chosen
+
+
 def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
 
@@ -141,6 +181,8 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
     check_types(cfg)
+    if "tuning" in cfg:
+        check_tuning(cfg.tuning)
     seq = cfg.seq
     # Hardware: auto -> detected profile; a strict profile must match the device.
     try:
@@ -176,6 +218,10 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         name = cfg.backend.get(b)
         if name is None:
             name = (pol.get("preferred") or {}).get(b, "reference")
+            by_seq = backend_by_seq(pol, b, seq, profile.name)
+            if by_seq is not None:
+                name, note = by_seq
+                notes.append(note)
         avoid = (pol.get("avoid") or {}).get(b)
         if avoid is not None and name == avoid.backend and not pol.get("force", False):
             notes.append(f"{b}: {name} -> {avoid.instead} (hardware={profile.name} policy: {avoid.reason}; "
@@ -205,8 +251,8 @@ def check_memory(job: Job, est_bytes: float) -> None:
                             f"limits.max_memory_gib={lim:g}")
 
 
-def groups() -> dict[str, list[str]]:
+def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:
     """The config groups a user picks on the command line (conf/<group>/<option>.yaml; conf/hydra/
     holds Hydra's own settings) and their options."""
     return {p.name: sorted(f.stem for f in p.glob("*.yaml"))
-            for p in sorted(CONF_DIR.iterdir()) if p.is_dir() and p.name != "hydra"}
+            for p in sorted(conf_dir.iterdir()) if p.is_dir() and p.name != "hydra"}

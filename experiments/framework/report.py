@@ -75,18 +75,34 @@ def metric_name(y: str, label: str) -> str:
     return f"{y}/" + re.sub(r"[^/\w.\- :]", "_", label.replace("=", ":"))
 
 
+MARKERS = "os^Dv<>PX*"
+
+
+def _natural(label: str) -> list:
+    """Sort key: digit runs as numbers ("n_kv_heads=4" before "n_kv_heads=16")."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", label)]
+
+
 def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path, title: str) -> None:
     """One panel per y, one line per label, log-log (dense baselines dashed); written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.5 * len(data), 4.5))
+    many = max((len(ls) for ls in data.values()), default=0) > 12  # legend beside the panel, not on it
+    fig = Figure(figsize=((9.5 if many else 6.5) * len(data), 4.5 if not many else 6))
     FigureCanvasAgg(fig)
+    # A label is "<series> <what else varies>" (lines()): one colour per series (e.g. variant), one marker
+    # per value of the rest (e.g. model.nsa.n_kv_heads=4), in natural order (4 before 16).
+    labels = sorted({lab for ls in data.values() for lab in ls}, key=_natural)
+    series = list(dict.fromkeys(lab.split(" ", 1)[0] for lab in labels))
+    rest = list(dict.fromkeys(lab.partition(" ")[2] for lab in labels))
+    colors = [f"C{i % 10}" for i in range(len(series))]
     for i, (y, ls) in enumerate(data.items(), 1):
         ax = fig.add_subplot(1, len(data), i)
-        for label, pts in sorted(ls.items()):
+        for label in sorted(ls, key=_natural):
+            pts, (first, _, other) = ls[label], label.partition(" ")
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.startswith("dense") else "-",
-                    marker="o", label=label)
+                    color=colors[series.index(first)], marker=MARKERS[rest.index(other) % len(MARKERS)], label=label)
         ax.set_xscale("log", base=2)
         if all(p[1] > 0 for pts in ls.values() for p in pts):
             ax.set_yscale("log")
@@ -95,7 +111,7 @@ def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path
         ax.set_title(f"{title}: {y} vs {x}")
         ax.grid(True, which="both", alpha=0.3)
         if ls:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7, **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if many else {}))
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
     fig.savefig(tmp, dpi=110)

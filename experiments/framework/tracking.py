@@ -45,7 +45,7 @@ HTTP_RETRIES, HTTP_TIMEOUT_S = 3, 30  # MLflow's own retries afterwards (its def
 # experiment tag MLflow 3's UI reads (mlflow/server/js: "mlflow.experimentKind"), and the URL parameter
 # that wins over it in 3.17's UI.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
-UI_VIEW = "runs?workflowType=machine_learning"
+UI_VIEW = "runs?workflowType=machine_learning&compareRunsMode=CHART"  # the runs' chart view, not GenAI's
 
 
 class StoreUnavailable(ConfigError):

@@ -1,0 +1,68 @@
+"""op=selection: selected attention (Eq. 12) alone, ``nsa.backends.triton.selection.selected_attention``.
+
+Inputs: q ``[B,T,HQ,Dk]``, k/v ``[B,T,H,D]`` (standard normal) and random valid block indices: the
+reference top-n (``reference.select_blocks``: the n_init first and n_local newest blocks forced) of
+uniform random scores. Row ``triton``: forward and forward+backward; FLOPs over the tokens u <= t of
+the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
+block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16 while its partials fit).
+"""
+from __future__ import annotations
+
+import torch
+
+from nsa import reference
+from nsa.backends.triton import tuning
+from nsa.backends.triton.selection import selected_attention
+from nsa.backends.triton.utils import poisoned_outputs
+
+from .. import measure
+from .bench import Bench, backward_of, leaves
+
+CHUNK = 8192  # queries per chunk of random scores (bounds their memory)
+
+
+def random_indices(b: Bench, T: int) -> torch.Tensor:
+    """``[B,T,H,n_sel]`` int32: the reference top-n of uniform random block scores."""
+    c, nb, out = b.c, b.c.n_blocks(T), []
+    for c0 in range(0, T, CHUNK):
+        s = b.rand(b.B, min(T, c0 + CHUNK) - c0, c.n_kv_heads, nb, dtype=torch.float32)
+        out.append(reference.select_blocks(s, c, q_start=c0).to(torch.int32))
+    return torch.cat(out, 1)
+
+
+def inputs(b: Bench, T: int):
+    c = b.c
+    q = b.randn(b.B, T, c.n_heads, c.d_k)
+    k = b.randn(b.B, T, c.n_kv_heads, c.d_k)
+    v = b.randn(b.B, T, c.n_kv_heads, c.d_v)
+    do = b.randn(b.B, T, c.n_heads, c.d_v)
+    return q, k, v, do, random_indices(b, T)
+
+
+def check(b: Bench) -> None:
+    q, k, v, do, idx = inputs(b, b.check_seq)
+    xs = leaves(q, k, v)
+    with poisoned_outputs():
+        o = selected_attention(*xs, idx, b.c)
+        o.backward(do)
+    xr = b.upcast(q, k, v, grad=True)
+    o_r = reference.selected_attention(*xr, idx.long(), b.c)
+    o_r.backward(do.to(b.ref_dtype))
+    b.compare("o", o, o_r)
+    b.compare_grads("", ("dq", "dk", "dv"), xs, xr)
+
+
+def timed(b: Bench) -> None:
+    q, k, v, do, idx = inputs(b, b.T)
+    c = b.c
+    tokens = float(measure.selected_tokens(idx, c, 0).sum())  # per query and group
+    xs = leaves(q, k, v)
+    fn = lambda: selected_attention(q, k, v, idx, c)
+    b.row("triton", fn, backward_of(lambda: selected_attention(*xs, idx, c), xs, do),
+          flop=2.0 * (c.d_k + c.d_v) * c.G * tokens, G=c.G, mode=tuning.params("selection", b.dev)["mode"])
+
+
+def once(b: Bench) -> None:
+    q, k, v, _, idx = inputs(b, b.T)
+    with torch.no_grad():
+        selected_attention(q, k, v, idx, b.c)

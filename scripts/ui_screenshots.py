@@ -1,0 +1,101 @@
+"""Screenshots of what a user first sees in the MLflow UI for a sweep: the runs table and the chart
+view of the link the sweep's summary prints, and the parent run's page.
+
+    python scripts/ui_screenshots.py --store sqlite:///$PWD/mlflow.db --experiment nsa-decode --out shots/
+
+Starts ``mlflow ui`` on 127.0.0.1 (a free port) over the store, renders each page in headless
+Chromium (Debian's ``chromium``: ``apt-get install chromium``) and stops the server. The parent is the
+newest run of the experiment that has children. Look at the PNGs: the README says which view to open.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, seconds: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"mlflow ui did not answer at {url} within {seconds:.0f} s")
+
+
+def shoot(chromium: str, url: str, png: Path, profile: Path, size: str = "1600,1000") -> None:
+    cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={size}",
+           "--virtual-time-budget=25000", f"--screenshot={png}", url]
+    subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    if not png.is_file():
+        raise SystemExit(f"chromium wrote no screenshot for {url}")
+    print(f"{png}  <- {url}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", required=True, help="tracking URI, e.g. sqlite:///$PWD/mlflow.db")
+    ap.add_argument("--experiment", default="nsa-decode")
+    ap.add_argument("--out", type=Path, default=Path("shots"))
+    ap.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
+    a = ap.parse_args()
+
+    client = MlflowClient(tracking_uri=a.store)
+    exp = client.get_experiment_by_name(a.experiment)
+    if exp is None:
+        sys.exit(f"no experiment {a.experiment} in {a.store}")
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=500)
+    parents = {r.data.tags.get("mlflow.parentRunId") for r in runs} - {None}
+    parent = next((r for r in runs if r.info.run_id in parents), None)
+    if parent is None:
+        sys.exit(f"no sweep (a run with children) in {a.experiment}")
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", a.store,
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(base + "/", 120)
+        eid, rid = exp.experiment_id, parent.info.run_id
+        with tempfile.TemporaryDirectory() as profile:
+            shoot(a.chromium, f"{base}/#/experiments/{eid}/runs?workflowType=machine_learning",
+                  a.out / "runs_table.png", Path(profile))
+            shoot(a.chromium, f"{base}/#/experiments/{eid}/runs?workflowType=machine_learning&compareRunsMode=CHART",
+                  a.out / "runs_charts.png", Path(profile), "1600,1400")
+            png = a.experiment.removeprefix("nsa-") + "_vs_seq.png"  # the sweep's plot on its parent
+            shoot(a.chromium, f"{base}/#/experiments/{eid}/runs/{rid}/artifacts/{png}?workflowType=machine_learning",
+                  a.out / "parent_plot.png", Path(profile))
+    finally:  # the server and its workers: one process group
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
