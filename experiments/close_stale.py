@@ -5,8 +5,9 @@
 
 A process killed outright (SIGKILL, out of memory, a lost node) cannot end its runs. Every run records
 its process (tags ``host``, ``pid``, ``process``: pid, boot id and start time); a RUNNING run whose
-process is gone from this host is ended KILLED, with the reason in its ``error`` tag. A run that
-ran on another host cannot be checked from here: ``--force`` ends it too. A resumed sweep
+process is gone from this host is ended KILLED, with the reason in its ``error`` tag; so is a run
+of a SLURM job (tag ``slurm_job_id``) whose job SLURM's accounting says ended, from any host that has
+``sacct``. Another host's run cannot be checked from here otherwise: ``--force`` ends it too. A resumed sweep
 (``hydra.sweeper.resume=<parent run id>``) does the same first. Exit code 2: no such run or store.
 """
 from __future__ import annotations

@@ -9,6 +9,10 @@
 * ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (read by MLflow on every
   request): :func:`limit_mlflow_http` bounds them for this process (a user's own values are kept), and
   :func:`mlflow_http_probe` sets them briefly for a first, fast check of a tracking server.
+* ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID`` (:func:`slurm_job_id`): set by SLURM
+  in a job's processes; a run started in one is tagged with its job id.
+* ``CUDA_VISIBLE_DEVICES`` (:func:`cuda_visible_devices`): the GPUs this process may use (a scheduler
+  sets it to the job's own); a run is tagged with it.
 * :func:`child_environment`: this process's environment for a subprocess (``experiments.validate``
   runs the kernel tests in pytest), with ``TRITON_INTERPRET`` set or removed and a ``PYTHONPATH`` first.
 
@@ -32,6 +36,20 @@ def toolchain_id() -> str:
 def mlflow_tracking_uri() -> str | None:
     """MLflow's own variable, or None where it is unset or empty."""
     return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def slurm_job_id() -> str | None:
+    """This process's SLURM job as ``squeue``, ``sacct`` and ``scancel`` name it (``<array job>_<task>``
+    for a task of a job array), or None outside SLURM."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def cuda_visible_devices() -> str | None:
+    """CUDA's device list for this process, or None where it is unset (every GPU visible)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def limit_mlflow_http(max_retries: int, timeout_s: int) -> None:

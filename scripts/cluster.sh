@@ -99,12 +99,18 @@ running() {  # the pid file's process is alive and is that service (not a stale 
     [[ "$cmd" == *"${1/mlflow/mlflow server}"* ]]
 }
 
+alive() {  # the pid file's process exists and has not exited: a service just started counts before it
+    # has exec'd (its command line is still this script's, which `running` would not take for it)
+    local p; p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && [ -r "/proc/$p/stat" ] || return 1
+    [ "$(sed 's/.*) //' "/proc/$p/stat" | cut -d' ' -f1)" != Z ]
+}
+
 wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2 s (and stop if SERVICE exits)
     local t=$1 what=$2 service=; shift 2
     [ "$1" = --pid ] && { service=$2; shift 2; }
     local end=$((SECONDS + t))
     until "$@" >/dev/null 2>&1; do
-        [ -z "$service" ] || running "$service" || die "$what exited (logs in $DIR)"
+        [ -z "$service" ] || alive "$service" || die "$what exited (logs in $DIR)"
         [ $SECONDS -lt $end ] || die "$what did not come up within ${t}s (logs in $DIR)"
         sleep 0.2
     done

@@ -1,5 +1,7 @@
-"""scripts/cluster.sh's cluster with its real services: the per-GPU launcher's pinning, the CPU cap, and
-16 processes writing into the MLflow server on PostgreSQL at once (and, for the record, into SQLite).
+"""scripts/cluster.sh's cluster with its real services: the README's sweeps through SLURM into the MLflow
+server (tags, the same results as the basic launcher, a job cancelled mid-sweep then resumed, SIGTERM to
+a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, and 16
+processes writing into the server on PostgreSQL at once (and, for the record, into SQLite).
 
 These tests use the cluster that ``scripts/cluster.sh up --fake-gpus 2`` started from this checkout
 (``.ci/run`` does). Without one they skip; a cluster that is up by its state (``.cluster/cluster.env``,
@@ -11,9 +13,11 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -74,27 +78,294 @@ def test_cluster_is_up_again_at_once_and_bound_to_loopback(cluster):
     assert all(addr.startswith("127.0.0.1:") for addr in ours), ours
 
 
-def test_readme_cluster_commands_run_as_written(cluster, tmp_path):
-    """The README's cluster block: its run lands FINISHED in the server that `up` printed (its install and
-    up/down lines are .ci/run's and scripts/check_install.py's)."""
-    import mlflow
+# ------------------------------------------------------------------ sweeps through SLURM into the server
 
+README_URI = "http://127.0.0.1:5000"  # the store `scripts/cluster.sh up` prints by default, as the README writes it
+# The README cluster block's commands, each run by one test below (test_readme_cluster_commands_are_all_run).
+SLURM_CPU, PER_GPU_CPU, PER_GPU_H200 = "hydra/launcher=slurm", "experiments.decode -m hydra/launcher=per_gpu", "hardware=h200"
+LONG = 4000  # decode repeats (seq=64..256, decode.per_branch=false): about 10-20 s of work on this CPU
+
+
+def readme_commands() -> list[str]:
+    """The command lines between `scripts/cluster.sh up` and `down` in the README's cluster block."""
     readme = (ROOT / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```bash\n(.*?)```", readme, re.S)
-    first, run, last = block.strip().splitlines()
-    assert first.endswith("scripts/cluster.sh up") and last == "scripts/cluster.sh down"
-    assert f"tracking.uri={cluster['MLFLOW_TRACKING_URI']}" in run
-    t0_ms = int(time.time() * 1000)
+    lines = [" ".join(ln.split("#")[0].split()) for ln in block.strip().splitlines()]
+    assert lines[0].endswith("scripts/cluster.sh up") and lines[-1] == "scripts/cluster.sh down", lines
+    return lines[1:-1]
+
+
+def readme_command(marker: str) -> str:
+    (cmd,) = [c for c in readme_commands() if marker in c]
+    return cmd
+
+
+def test_readme_cluster_commands_are_all_run():
+    assert sorted(readme_commands()) == sorted(readme_command(m) for m in (SLURM_CPU, PER_GPU_CPU, PER_GPU_H200))
+    assert all(f"tracking.uri={README_URI}" in c for c in readme_commands())
+
+
+@dataclass
+class Sweep:
+    rc: int
+    out: str
+    err: str
+    wall_s: float
+    parent: str | None
+    dir: Path | None
+
+
+def start_sweep(cmd: str, tmp: Path, *extra: str) -> subprocess.Popen:
+    """``cmd`` (a ``python -m experiments...`` line) in tmp, with this repository's code and ``extra`` overrides."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(shlex.split(run), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    client = mlflow.MlflowClient(tracking_uri=cluster["MLFLOW_TRACKING_URI"])
-    runs = client.search_runs([client.get_experiment_by_name("nsa-decode").experiment_id],
-                              filter_string=f"attributes.start_time >= {t0_ms}")
-    assert [x.info.status for x in runs] == ["FINISHED"]
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen([sys.executable, *shlex.split(cmd)[1:], *extra], cwd=tmp, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish_sweep(p: subprocess.Popen, t0: float, timeout: float = 300) -> Sweep:
+    out, err = p.communicate(timeout=timeout)
+    wall = time.monotonic() - t0
+    first = re.search(r"parent run (\w{32}); outputs (\S+)", err)
+    return Sweep(p.returncode, out, err, wall, first.group(1) if first else None, Path(first.group(2)) if first else None)
+
+
+def run_sweep(cmd: str, tmp: Path, *extra: str, timeout: float = 300) -> Sweep:
+    t0 = time.monotonic()
+    s = finish_sweep(start_sweep(cmd, tmp, *extra), t0, timeout)
+    if s.dir is not None and not s.dir.is_absolute():
+        s.dir = tmp / s.dir
+    return s
+
+
+def children(uri: str, parent: str) -> list:
+    """The parent's child runs, oldest first."""
+    import mlflow
+
+    c = mlflow.MlflowClient(tracking_uri=uri)
+    exp = c.get_run(parent).info.experiment_id
+    runs = c.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'", max_results=100)
+    return sorted(runs, key=lambda r: r.info.start_time)
+
+
+def running_child(uri: str, parent: str | None, **params: str):
+    """The parent's RUNNING child whose params hold ``params``, or None."""
+    for r in children(uri, parent) if parent else []:
+        if r.info.status == "RUNNING" and all(r.data.params.get(k) == v for k, v in params.items()):
+            return r
+    return None
+
+
+def parent_of(p: subprocess.Popen, seen: list[str], deadline: float) -> str:
+    """The parent run id from the sweep's first line on stderr (read as it comes)."""
+    while time.monotonic() < deadline:
+        line = p.stderr.readline()
+        seen.append(line)
+        if m := re.search(r"parent run (\w{32});", line):
+            return m.group(1)
+        assert line or p.poll() is None, "".join(seen)
+    raise AssertionError("".join(seen))
+
+
+def wait_running(p: subprocess.Popen, uri: str, parent: str, deadline: float, **params: str):
+    while time.monotonic() < deadline:
+        if r := running_child(uri, parent, **params):
+            return r
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.3)
+    raise AssertionError(f"no RUNNING child with {params} under {parent}")
+
+
+def squeue(*job_ids: str) -> list[str]:
+    r = subprocess.run(["squeue", "-h", "-o", "%i", *(["-j", ",".join(job_ids)] if job_ids else [])],
+                       capture_output=True, text=True)
+    return r.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def slurm_and_basic(cluster, tmp_path_factory) -> dict[str, Sweep]:
+    """The README's CPU sweep through SLURM as written, then the same sweep with the basic launcher."""
+    cmd = readme_command(SLURM_CPU)
+    assert README_URI == cluster["MLFLOW_TRACKING_URI"]
+    found = {"slurm": run_sweep(cmd, tmp_path_factory.mktemp("slurm"))}
+    found["basic"] = run_sweep(cmd.replace(f" {SLURM_CPU}", ""), tmp_path_factory.mktemp("basic"))
+    return found
+
+
+def test_slurm_cpu_sweep_lands_in_the_server(slurm_and_basic, capsys):
+    """4 jobs, one parent, 4 FINISHED children tagged with the launcher and their SLURM job (one array,
+    tasks 0-3); hardware=cpu jobs took no GPU (no CUDA_VISIBLE_DEVICES, no gres/gpu in SLURM's accounting)."""
+    import mlflow
+
+    s, b = slurm_and_basic["slurm"], slurm_and_basic["basic"]
+    assert s.rc == 0 and "Traceback" not in s.err, s.err[-3000:]
+    kids = children(README_URI, s.parent)
+    assert [r.info.status for r in kids] == ["FINISHED"] * 4
+    assert {r.data.tags["launcher"] for r in kids} == {"slurm"}
+    assert mlflow.MlflowClient(README_URI).get_run(s.parent).data.tags["launcher"] == "slurm"
+    ids = sorted(r.data.tags["slurm_job_id"] for r in kids)
+    array = ids[0].split("_")[0]
+    assert ids == [f"{array}_{i}" for i in range(4)]
+    assert all("cuda_visible_devices" not in r.data.tags for r in kids)
+    acct = subprocess.run(["sacct", "-j", array, "-X", "-n", "-P", "-o", "JobID,State,AllocTRES"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert len(acct) == 4 and all("|COMPLETED|" in ln and "gres/gpu" not in ln for ln in acct), acct
+    assert b.rc == 0 and {r.data.tags["launcher"] for r in children(README_URI, b.parent)} == {"basic"}
+    with capsys.disabled():  # the measured SLURM overhead, in CI's output
+        print(f"\n4-job CPU sweep (decode, seq=256..2048) into the server: basic launcher {b.wall_s:.1f} s, "
+              f"slurm {s.wall_s:.1f} s: {(s.wall_s - b.wall_s) / 4:+.1f} s per job through SLURM "
+              f"(2 cores: SLURM runs 2 jobs at once)")
+
+
+TIMED = {"run_id", "p20_ms", "p50_ms", "p80_ms", "kv_gb_per_s", "kv_bw_roofline_pct", "speedup_vs_dense_x"}
+
+
+def test_summary_csv_and_plots_are_the_same_whatever_the_launcher(slurm_and_basic):
+    from experiments.framework import report
+
+    s, b = slurm_and_basic["slurm"], slurm_and_basic["basic"]
+    rows = {k: report.read_csv(v.dir / "decode_sweep.csv") for k, v in (("slurm", s), ("basic", b))}
+    assert list(rows["slurm"][0]) == list(rows["basic"][0]) and len(rows["slurm"]) == len(rows["basic"]) >= 4 * 3
+    differ = {c for rs, rb in zip(rows["slurm"], rows["basic"]) for c in rs if rs[c] != rb[c]}
+    assert differ <= TIMED, differ - TIMED
+    summaries = [(v.dir / "summary.txt").read_text().splitlines() for v in (s, b)]
+    assert summaries[0][0] == summaries[1][0]  # the same columns
+    assert [ln.split()[:3] for ln in summaries[0][1:]] == [ln.split()[:3] for ln in summaries[1][1:]]  # job, seq, status
+    assert all((v.dir / "decode_vs_seq.png").stat().st_size > 0 for v in (s, b))
+    import mlflow
+
+    c = mlflow.MlflowClient(README_URI)
+    charts = [{k for k in c.get_run(v.parent).data.metrics if "/" in k} for v in (s, b)]
+    assert charts[0] == charts[1] and charts[0]  # the parent's curves (p50_ms/nsa, ...)
+
+
+def one_at_a_time(uri: str, tmp: Path, sweep: str, **params: str):
+    """A CPU decode sweep through SLURM, one job at a time (``sweep``: its lists), started in tmp; returns
+    once a job whose params hold ``params`` runs: (process, start, stderr lines read, parent, that run)."""
+    cmd = (f"python -m experiments.decode -m hardware=cpu hydra/launcher=slurm tracking=server tracking.uri={uri} "
+           f"{sweep} decode.per_branch=false hydra.launcher.array_parallelism=1")
+    t0, seen = time.monotonic(), []
+    p = start_sweep(cmd, tmp)
+    parent = parent_of(p, seen, t0 + 120)
+    return p, t0, seen, parent, wait_running(p, uri, parent, t0 + 180, **params)
+
+
+def test_scancelled_job_fails_with_slurm_state_and_resume_runs_it_alone(cluster, tmp_path):
+    """Job 0 of 3 is cancelled (scancel) while it runs; the launcher stops at it, the sweep still waits for
+    jobs 1 and 2 (one job at a time: they start after it). Job 0's run ends FAILED with SLURM's state,
+    the parent FAILED with the counts, exit 1; the printed resume command runs job 0 alone."""
+    uri = cluster["MLFLOW_TRACKING_URI"]
+    p, t0, seen, parent, victim = one_at_a_time(uri, tmp_path, f"seq=64 model.timing.repeats={LONG},1,2",
+                                                **{"model.timing.repeats": str(LONG)})
+    subprocess.run(["scancel", victim.data.tags["slurm_job_id"]], check=True)
+    s = finish_sweep(p, t0)
+    assert s.rc == 1, "".join(seen) + s.err[-3000:]
+    kids = {r.data.params["model.timing.repeats"]: r for r in children(uri, parent)}
+    assert {k: r.info.status for k, r in kids.items()} == {str(LONG): "FAILED", "1": "FINISHED", "2": "FINISHED"}
+    error = kids[str(LONG)].data.tags["error"]
+    assert error.startswith(f"SLURM job {victim.data.tags['slurm_job_id']} CANCELLED") and "scancel" in error, error
+    import mlflow
+
+    c = mlflow.MlflowClient(uri)
+    assert c.get_run(parent).data.tags["error"].startswith("1 of 3 jobs failed: ")
+    assert c.get_run(parent).info.status == "FAILED"
+    (resume,) = [ln.split("resume:", 1)[1].strip() for ln in s.out.splitlines() if ln.startswith("resume:")]
+    r = run_sweep(resume, tmp_path)
+    assert r.rc == 0 and "3 jobs validated, 1 to run" in r.err, r.err[-3000:]
+    again = children(uri, parent)
+    assert len(again) == 4 and again[-1].data.params["model.timing.repeats"] == str(LONG)
+    assert again[-1].info.status == "FINISHED" and c.get_run(parent).info.status == "FINISHED"
+
+
+def test_sigterm_to_a_slurm_sweep_cancels_its_jobs_and_leaves_nothing_running(cluster, tmp_path):
+    """SIGTERM (what `timeout`, SLURM and CI send) to a sweep whose job runs on SLURM: the sweep cancels
+    its SLURM jobs, the running job ends its run KILLED, the parent ends KILLED, exit 143; SLURM holds none
+    of them afterwards, and no run is left RUNNING."""
+    uri = cluster["MLFLOW_TRACKING_URI"]
+    p, t0, seen, parent, first = one_at_a_time(uri, tmp_path, f"seq=64,128 model.timing.repeats={LONG}")
+    job = first.data.tags["slurm_job_id"]
+    p.send_signal(signal.SIGTERM)
+    s = finish_sweep(p, t0, timeout=120)
+    assert s.rc == 143, s.err[-3000:]
+    array = job.split("_")[0]
+    why = f"interrupted by SIGTERM; the sweep cancelled SLURM jobs {array}_0, {array}_1"
+    assert f"[decode] {why}; waiting up to" in s.err, s.err[-3000:]
+    assert not squeue(f"{array}_0", f"{array}_1")
+    import mlflow
+
+    c = mlflow.MlflowClient(uri)
+    assert c.get_run(parent).info.status == "KILLED" and c.get_run(parent).data.tags["error"] == why
+    (kid,) = children(uri, parent)  # job 1 never started
+    assert kid.info.status == "KILLED" and kid.data.tags["error"] == "interrupted by SIGTERM", kid.data.tags  # its own
+
+
+def test_close_stale_asks_slurm_about_runs_of_other_hosts(cluster):
+    """A RUNNING run of a SLURM job on another host (a compute node): its process cannot be checked from
+    here, its job can. The run of an ended job is closed, the run of a job SLURM still runs is left."""
+    import mlflow
+
+    from experiments.framework import tracking
+
+    def sbatch(cmd: str) -> str:
+        return subprocess.run(["sbatch", "--parsable", "-c", "1", "-o", "/dev/null", "--wrap", cmd],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    ended, live = sbatch("true"), sbatch("sleep 120")
+    try:
+        c = mlflow.MlflowClient(cluster["MLFLOW_TRACKING_URI"])
+        exp = c.create_experiment(f"close-stale-{time.time_ns()}")
+        node = {"host": "another-node", "pid": "1", "process": "1:boot:1"}
+        parent = c.create_run(exp, tags=node).info.run_id
+        runs = {j: c.create_run(exp, tags={**node, "mlflow.parentRunId": parent, "slurm_job_id": j}).info.run_id
+                for j in (ended, live)}
+        deadline = time.monotonic() + 60
+        while squeue(ended) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert tracking.stale(c.get_run(parent)) is None  # no SLURM job: this host cannot tell
+        done = dict(tracking.close_stale(c, parent))
+        assert done[runs[ended]] == f"closed (KILLED): process 1 on another-node (SLURM job {ended}) is gone"
+        assert done[runs[live]].startswith("left RUNNING") and done[parent].startswith("left RUNNING")
+        assert [c.get_run(runs[j]).info.status for j in (ended, live)] == ["KILLED", "RUNNING"]
+    finally:
+        subprocess.run(["scancel", live], check=False)
 
 
 # ------------------------------------------------------------------ the per-GPU launcher: pinning and caps
+
+
+def _overlapping(spans: list[tuple[float, float, str]]) -> list[tuple[str, str]]:
+    return [(a[2], b[2]) for i, a in enumerate(spans) for b in spans[i + 1:] if a[0] < b[1] and b[0] < a[1]]
+
+
+def test_per_gpu_sweep_pins_each_job_to_its_own_gpu(cluster, tmp_path):
+    """The README's per-GPU decode sweep on the cluster's 2 fake GPUs (character devices), through the nsa
+    sweeper, its jobs made long enough (seconds of work) to overlap: each job's run is tagged with the GPU
+    SLURM gave it (its CUDA_VISIBLE_DEVICES); from the runs' start and end times in the store, jobs that
+    ran at once never shared a GPU, and two did run at once."""
+    s = run_sweep(readme_command(PER_GPU_CPU), tmp_path, f"model.timing.repeats={LONG // 2}", "decode.per_branch=false")
+    assert s.rc == 0, s.err[-3000:]
+    kids = children(README_URI, s.parent)
+    assert len(kids) == 4 and {r.info.status for r in kids} == {"FINISHED"}
+    assert {r.data.tags["launcher"] for r in kids} == {"per_gpu"}
+    spans = [(r.info.start_time, r.info.end_time, r.data.tags["cuda_visible_devices"]) for r in kids]
+    assert all(g in ("0", "1") for _, _, g in spans), spans
+    together = _overlapping(spans)
+    assert together, "no two jobs ran at once: the launcher did not use both GPUs"
+    assert all(a != b for a, b in together), f"jobs running at once shared a GPU: {together}"
+    assert "never two at once on one GPU" in s.err and "at most 2 at once" in s.err, s.err[-2000:]
+
+
+def test_gpu_sweep_from_a_host_without_gpus_matches_each_job_on_its_node(cluster, tmp_path):
+    """A GPU sweep submitted from a host without GPUs (a login node; here this CPU machine) is not refused
+    for this host's device: each job checks its profile where it runs. On the fake GPUs each job finds no
+    H200 and ends FAILED with that reason; the parent FAILED, exit 1."""
+    s = run_sweep(readme_command(PER_GPU_H200), tmp_path)
+    assert s.rc == 1 and s.parent, s.err[-3000:]
+    kids = children(README_URI, s.parent)
+    assert len(kids) == 4 and {r.info.status for r in kids} == {"FAILED"}
+    assert all("hardware=h200 does not match the detected device" in r.data.tags["error"] for r in kids)
+    assert {r.data.tags["cuda_visible_devices"] for r in kids} <= {"0", "1"}
+
 
 APP = '''
 import json, os, time
@@ -107,9 +378,7 @@ import hydra
 def main(cfg):
     start = time.time()
     time.sleep(cfg.hold_s)
-    Path(cfg.out, f"job{cfg.job}.json").write_text(json.dumps({
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "start": start, "end": time.time()}))
+    Path(cfg.out, f"job{cfg.job}.json").write_text(json.dumps({"start": start, "end": time.time()}))
 
 
 if __name__ == "__main__":
@@ -117,44 +386,19 @@ if __name__ == "__main__":
 '''
 
 
-def _sweep(tmp_path: Path, jobs: int, hold_s: float, *overrides: str) -> list[dict]:
-    """A toy Hydra app swept over `jobs` jobs with hydra/launcher=per_gpu from the repo's conf/; each job
-    records its CUDA_VISIBLE_DEVICES and when it held its device."""
-    (tmp_path / "app.py").write_text(APP)
-    conf = f"job: 0\nhold_s: {hold_s}\nout: {tmp_path}\nhydra:\n  searchpath: [file://{ROOT / 'conf'}]\n"
-    (tmp_path / "app.yaml").write_text(conf)
-    cmd = [sys.executable, str(tmp_path / "app.py"), "-m", f"job=range({jobs})", "hydra/launcher=per_gpu",
-           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.timeout_min=5", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    found = sorted(tmp_path.glob("job*.json"))
-    assert len(found) == jobs, (found, r.stdout + r.stderr)
-    return [json.loads(p.read_text()) for p in found]
-
-
-def _overlapping(records: list[dict]) -> list[tuple[dict, dict]]:
-    return [(a, b) for i, a in enumerate(records) for b in records[i + 1:] if a["start"] < b["end"] and b["start"] < a["end"]]
-
-
-def test_per_gpu_launcher_pins_each_job_to_its_own_gpu(cluster, tmp_path):
-    """Fake device list: the cluster declares 2 fake GPUs (character devices). 4 jobs, each asking for one:
-    each sees exactly one device, jobs that run at the same time never share one, and they do run side by side."""
-    records = _sweep(tmp_path, 4, 4.0)
-    devices = [r["cuda_visible_devices"] for r in records]
-    assert all(d in ("0", "1") for d in devices), devices
-    assert all(r["slurm_job_id"] for r in records)
-    overlapping = _overlapping(records)
-    assert overlapping, "no two jobs ran at once: the launcher did not use both GPUs"
-    shared = [(a["cuda_visible_devices"], b["cuda_visible_devices"]) for a, b in overlapping
-              if a["cuda_visible_devices"] == b["cuda_visible_devices"]]
-    assert not shared, f"jobs running at once shared a GPU: {shared}"
-
-
 def test_per_gpu_launcher_caps_cpu_jobs(cluster, tmp_path):
     """CPU jobs (no GPU) are capped by hydra.launcher.array_parallelism: with 1, none overlap on this
-    2-core machine, where SLURM alone would run two at once."""
-    records = _sweep(tmp_path, 3, 2.0, "hydra.launcher.gpus_per_node=0", "hydra.launcher.array_parallelism=1")
-    assert not _overlapping(records), [(r["start"], r["end"]) for r in records]
+    2-core machine, where SLURM alone would run two at once. (A toy Hydra app: seconds per job.)"""
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "app.yaml").write_text(f"job: 0\nhold_s: 2.0\nout: {tmp_path}\nhardware: {{gpus: 0, cpus: 1}}\n"
+                                       f"hydra:\n  searchpath: [file://{ROOT / 'conf'}]\n")
+    cmd = [sys.executable, str(tmp_path / "app.py"), "-m", "job=range(3)", "hydra/launcher=per_gpu",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.launcher.timeout_min=5", "hydra.launcher.array_parallelism=1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    found = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("job*.json"))]
+    assert len(found) == 3, r.stdout + r.stderr
+    assert not _overlapping([(j["start"], j["end"], "") for j in found]), found
 
 
 # ------------------------------------------------------------------ 16 concurrent writers

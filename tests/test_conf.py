@@ -146,3 +146,27 @@ def test_a_backend_that_cannot_run_here_is_a_config_error(monkeypatch):
     # Only the branches a job runs: branch_force=win times the window, and decode scores with cmp.
     over = ["backend=triton", "branch_force=win", "backend.cmp=reference", "backend.win=reference"]
     assert config.prepare(_compose("decode", over), "decode").plan["sel"] == "triton"
+
+
+def test_a_job_run_elsewhere_is_matched_to_its_device_where_it_runs(monkeypatch):
+    """prepare(here=False), as a SLURM launcher's sweep validates: the device match and the backends'
+    availability are left to the job; every other rule still holds."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    over = ["hardware=h200", "model=h200bench", "backend=triton"]
+    with pytest.raises(config.ConfigError, match="hardware=h200 does not match"):
+        config.prepare(_compose("decode", over), "decode")
+    job = config.prepare(_compose("decode", over), "decode", here=False)
+    assert job.profile.name == "h200" and job.plan["cmp"] == "triton" and job.dtype.is_floating_point
+    assert job.profile_note == "h200: matched to the device where the job runs"
+    with pytest.raises(config.ConfigError, match="seq=0"):
+        config.prepare(_compose("decode", [*over, "seq=0"]), "decode", here=False)
+
+
+@pytest.mark.parametrize("profile,gpus,cpus", [("cpu", 0, 1), ("h200", 1, 1), ("auto", 1, 1)])
+@pytest.mark.parametrize("launcher", ["slurm", "per_gpu"])
+def test_launchers_take_gpus_and_cores_from_the_hardware_profile(launcher, profile, gpus, cpus):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install -e '.[cluster]'")
+    hc = _compose("decode", [f"hardware={profile}", f"hydra/launcher={launcher}"], hydra_cfg=True).hydra.launcher
+    assert (hc.gpus_per_node, hc.cpus_per_task) == (gpus, cpus)
+    threads = _compose("decode", ["hardware=cpu", "hardware.threads=4", f"hydra/launcher={launcher}"], hydra_cfg=True)
+    assert threads.hydra.launcher.cpus_per_task == 4  # a CPU job's cores are its torch threads

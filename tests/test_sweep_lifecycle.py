@@ -25,11 +25,13 @@ def _client(tmp: Path) -> MlflowClient:
 
 
 def _running(tmp: Path, finished: int = 0) -> tuple[str, str] | None:
-    """(parent, child) once the sweep in tmp has a RUNNING child after ``finished`` FINISHED ones."""
+    """(parent, child) once the sweep in tmp has a RUNNING child after ``finished`` FINISHED ones, its
+    params logged (a child is created RUNNING, then logs its params: a signal between the two, which a
+    loaded machine's poll can hit, would leave a child the tests cannot tell by its params)."""
     c = _client(tmp)
     exp = c.get_experiment_by_name("nsa-decode")
     kids = [r for r in (c.search_runs([exp.experiment_id]) if exp else []) if "mlflow.parentRunId" in r.data.tags]
-    running = [r for r in kids if r.info.status == "RUNNING"]
+    running = [r for r in kids if r.info.status == "RUNNING" and r.data.params]
     if running and sum(r.info.status == "FINISHED" for r in kids) >= finished:
         return running[0].data.tags["mlflow.parentRunId"], running[0].info.run_id
     return None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from experiments.framework import report, sweep, tracking
+from experiments.framework import launchers, report, sweep, tracking
 from experiments.framework.job import job_key
 
 
@@ -52,3 +53,45 @@ def test_sweep_end_closes_what_the_launcher_left_running(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "resume:  python -m experiments.decode" in out and f"hydra.sweeper.resume={parent}" in out
     assert (tmp_path / "summary.txt").read_text().splitlines()[2].split()[:3] == ["1", "128", "FAILED"]
+
+
+def test_sweep_end_records_how_slurm_ended_a_job(tmp_path, capsys):
+    """``ends`` (per job: SLURM job id and state, from the launch): a run its job ended KILLED on SLURM's
+    SIGTERM, or left RUNNING, ends FAILED with SLURM's state; a job SLURM ended before it started is
+    named in the parent's error."""
+    store = tracking.connect(OmegaConf.create({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}), "decode", tmp_path)
+    jobs = [["seq=64"], ["seq=128"], ["seq=256"], ["seq=512"]]
+    parent = tracking.start_run(store, "decode sweep", None, {"sweep": "parent"})
+    kids = [tracking.start_run(store, f"decode {ov[0]}", parent, {"sweep_job": json.dumps(ov)}) for ov in jobs[:3]]
+    tracking.end_run(store.client, kids[0], "FINISHED")
+    tracking.end_run(store.client, kids[1], "KILLED", "interrupted by SIGTERM")  # its own handler, on scancel
+    ends = {frozenset(ov): (f"7_{i}", s) for i, (ov, s) in enumerate(zip(jobs, (
+        "COMPLETED", "CANCELLED by 0", "TIMEOUT", "CANCELLED by 0")))}
+    with pytest.raises(SystemExit):
+        sweep._finish(store, parent, "decode", jobs, ["seq"], tmp_path, time.perf_counter(), ends=ends)
+    c = store.client
+    assert c.get_run(kids[0]).info.status == "FINISHED"
+    assert [c.get_run(k).info.status for k in kids[1:]] == ["FAILED", "FAILED"]
+    assert c.get_run(kids[1]).data.tags["error"] == \
+        "SLURM job 7_1 CANCELLED by 0: cancelled (scancel, or the cluster's administrator) (the job: interrupted by SIGTERM)"
+    assert c.get_run(kids[2]).data.tags["error"].startswith("SLURM job 7_2 TIMEOUT: reached its time limit")
+    error = c.get_run(parent).data.tags["error"]
+    assert error.startswith("3 of 4 jobs failed: ") and "seq=512: not run (SLURM job 7_3 CANCELLED by 0" in error
+
+
+def _run(start: int, end: int, host: str = "a", gpu: str | None = None):
+    info = SimpleNamespace(start_time=start, end_time=end)
+    tags = {"host": host, **({"cuda_visible_devices": gpu} if gpu is not None else {})}
+    return SimpleNamespace(info=info, data=SimpleNamespace(tags=tags))
+
+
+def test_placement_tells_jobs_that_shared_a_gpu_at_once():
+    apart = [_run(0, 10, gpu="0"), _run(5, 15, gpu="1"), _run(10, 20, gpu="0"), _run(12, 30, host="b", gpu="1")]
+    line, m = launchers.placement(apart, since_ms=0)
+    assert m == {"jobs_at_once_max": 3, "job_run_time_sum_s": 0.048, "gpus_shared_at_once": 0}
+    assert "GPUs a:0, a:1, b:1" in line and line.endswith("never two at once on one GPU")
+    line, m = launchers.placement([*apart, _run(8, 9, gpu="1")], since_ms=0)
+    assert m["gpus_shared_at_once"] == 1 and line.endswith("jobs ran at once on one GPU: a:1")
+    line, m = launchers.placement([_run(0, 5), _run(5, 9), None], since_ms=0)  # one after another, no GPU
+    assert m["jobs_at_once_max"] == 1 and "no pinned GPU" in line
+    assert launchers.placement([_run(0, 5)], since_ms=6) == ("no job ran in this launch", {})  # an earlier launch's

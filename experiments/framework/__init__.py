@@ -5,6 +5,7 @@
 * :mod:`.hardware`  device detection and hardware profiles
 * :mod:`.job`       one job's run: ``run_job(cfg, entry, work)``, ``Result``
 * :mod:`.sweep`     a sweep: expansion, validation, parent run, resume, summary from the store
+* :mod:`.launchers` what a sweep needs from its launcher: where jobs run, SLURM's jobs and how they ended
 * :mod:`.tracking`  MLflow: the store (checked, created under a lock), runs, tags, stale runs
 * :mod:`.report`    CSVs, charts, the summary table
 * :mod:`.logs`      console and log-file output

@@ -21,6 +21,8 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from nsa import env
+
 from .config import CONF_DIR, groups
 from .logs import say
 
@@ -70,11 +72,14 @@ def _on_signal(signum, _frame):
 
 def install_signal_handlers() -> None:
     """In the main thread, where SIGINT/SIGTERM still have Python's defaults (a launcher's own
-    handlers, e.g. submitit's in a SLURM job, are kept)."""
+    handlers are kept), and SIGTERM in a SLURM job: SLURM sends it before SIGKILL (scancel, the time
+    limit, preemption), and submitit's handler there ignores it, which would leave the run RUNNING.
+    (submitit's SIGUSR2 handler, its time-limit warning, is kept.)"""
     if threading.current_thread() is not threading.main_thread():
         return
+    slurm = env.slurm_job_id() is not None
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-        if signal.getsignal(sig) in (default, _on_signal):
+        if signal.getsignal(sig) in (default, _on_signal) or (slurm and sig == signal.SIGTERM):
             signal.signal(sig, _on_signal)
 
 

@@ -170,8 +170,12 @@ def backend_by_seq(policy, branch: str, seq: int, profile: str) -> tuple[str, st
     return chosen
 
 
-def prepare(cfg: DictConfig, entry: str) -> Job:
-    """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line."""
+def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
+    """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
+
+    ``here=False``: the job will run on another host (a SLURM launcher's): a named hardware profile is
+    not matched to this host's device, nor the backends' availability checked; the job does both
+    where it runs."""
     try:
         check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     except ToolchainError as e:
@@ -189,7 +193,7 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
     seq = cfg.seq
     # Hardware: auto -> detected profile; a strict profile must match the device.
     try:
-        profile, note = hardware.resolve_profile(cfg.hardware)
+        profile, note = hardware.resolve_profile(cfg.hardware, check=here)
     except hardware.HardwareMismatch as e:
         raise ConfigError(str(e)) from e
     strict = cfg.hardware.get("strict", True)
@@ -244,7 +248,8 @@ def prepare(cfg: DictConfig, entry: str) -> Job:
         cfg.backend[b] = plan[b]
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
-    check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
+    if here:
+        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
     if entry in ENTRY_CHECKS:
         module, name = ENTRY_CHECKS[entry].split(":")

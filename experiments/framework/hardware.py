@@ -95,10 +95,13 @@ def matches(profile: DictConfig, dev: Device) -> bool:
     return not subs or any(s.lower() in dev.name.lower() for s in subs)
 
 
-def resolve_profile(hw: DictConfig, dev: Device | None = None) -> tuple[DictConfig, str]:
+def resolve_profile(hw: DictConfig, dev: Device | None = None, check: bool = True) -> tuple[DictConfig, str]:
     """The profile to use and how it was chosen. Raises HardwareMismatch (one line) if a strict
-    profile does not match the detected device, or auto finds none."""
+    profile does not match the detected device, or auto finds none. ``check=False`` (the job runs on
+    another host): a named profile is taken as it is; auto is resolved here, for what this host can tell."""
     dev = dev or detect()
+    if not check and hw.name != "auto":
+        return hw, f"{hw.name}: matched to the device where the job runs"
     if hw.name == "auto":
         for name in AUTO_ORDER:
             prof = load_profile(name)

@@ -4,10 +4,11 @@
    one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
    started; a job that still fails validation, e.g. on another host, ends as a FAILED child.)
 2. A run is created in ``nsa-<entry>``: a child of ``tracking.parent_run_id`` when a sweep passed one,
-   tagged with the environment, the owning process and the job's overrides (``sweep_job``), and
-   ``work(job)`` runs inside ``nsa.dispatch.record()``; ``job.run`` (:class:`Run`) logs as the work
-   goes (a training curve). An entry point that can continue an interrupted job (``resume``: e.g. a
-   checkpoint in the job's output directory names its run) reopens that run instead of creating one.
+   tagged with the environment, the owning process, the job's overrides (``sweep_job``) and in a
+   sweep the launcher that ran it (``launcher``: basic, slurm, per_gpu), and ``work(job)`` runs inside
+   ``nsa.dispatch.record()``; ``job.run`` (:class:`Run`) logs as the work goes (a training curve). An
+   entry point that can continue an interrupted job (``resume``: e.g. a checkpoint in the job's output
+   directory names its run) reopens that run instead of creating one.
 3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
    run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
    job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1.
@@ -80,6 +81,11 @@ def job_key(overrides) -> list[str]:
     return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in SWEEPER_KEYS]
 
 
+def launcher_name(hc) -> str:
+    """The ``hydra/launcher`` option a sweep runs its jobs with."""
+    return str(hc.runtime.choices.get("hydra/launcher") or "basic")
+
+
 def _hydra():
     try:
         return HydraConfig.get()
@@ -123,6 +129,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     key = job_key(hc.overrides.task) if hc else []
     choices = {k: v for k, v in (hc.runtime.choices if hc else {}).items() if not k.startswith("hydra/") and v}
     parent = cfg.tracking.get("parent_run_id")
+    tags = {"sweep_job": json.dumps(key), **({"launcher": launcher_name(hc)} if parent and hc else {})}
     try:
         job = prepare(cfg, entry)
         job.out_dir = out_dir
@@ -133,12 +140,12 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             if hc:
                 _remove_empty_output_dir(hc)
             cli.config_exit(str(e))
-        return _failed_validation(cfg, entry, launch_dir, parent, key, e)
+        return _failed_validation(cfg, entry, launch_dir, parent, key, tags, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
     name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
     client = store.client
     if earlier is None:
-        rid = tracking.start_run(store, name, parent, {"sweep_job": json.dumps(key)})
+        rid = tracking.start_run(store, name, parent, tags)
     else:
         rid = earlier.info.run_id
         tracking.reopen(client, rid)
@@ -249,10 +256,10 @@ def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Pat
                           "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
 
 
-def _failed_validation(cfg, entry, launch_dir, parent, key, e: ConfigError) -> None:
+def _failed_validation(cfg, entry, launch_dir, parent, key, tags, e: ConfigError) -> None:
     """A sweep's job whose config fails here although the sweep validated it (e.g. a profile that
     matched the launching host, not this one): a FAILED child run that says why."""
     log.error(f"[{entry}] config error: {e}")
     store = tracking.connect(cfg.tracking, entry, launch_dir)
-    rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, {"sweep_job": json.dumps(key)})
+    rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, tags)
     tracking.end_run(store.client, rid, "FAILED", f"ConfigError: {e}")

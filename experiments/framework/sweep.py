@@ -10,7 +10,10 @@ created (one line, exit 2). The contract with launchers and jobs:
 * after the launcher returns, the summary, the sweep's CSV, its charts and the parent's status come
   from the store's children of the parent, so they are the same whatever the launcher;
 * ``hydra.sweeper.resume=<parent run id>`` runs only the jobs with no FINISHED child (matched by
-  their overrides) into the same parent, after closing its stale RUNNING runs.
+  their overrides) into the same parent, after closing its stale RUNNING runs;
+* on SLURM (:mod:`.launchers`) each job's device is checked where it runs, the sweep waits for every
+  job SLURM holds even where the launcher stopped at one SLURM ended, a child whose job SLURM ended
+  ends FAILED with SLURM's state, and an interrupted sweep cancels its jobs.
 """
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import cli, report, tracking
+from . import cli, launchers, report, tracking
 from .config import ConfigError, Job, one_line, prepare
-from .job import HEADLINE, describe, job_key
+from .job import HEADLINE, describe, job_key, launcher_name
 from .logs import say
 
 _SAFE = re.compile(r"[\w./:@%+-]+")
+CANCEL_WAIT_S = 60  # an interrupted sweep waits this long for the SLURM jobs it cancelled to end
 
 
 def expand(parser, params: dict, arguments: list[str]) -> list[list[str]]:
@@ -66,11 +70,12 @@ def label(ov: list[str], keys: list[str]) -> str:
 
 
 def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
-    """Every job's config, composed as its launcher will and validated, before anything starts."""
-    loader, out = sweeper.hydra_context.config_loader, []
+    """Every job's config, composed as its launcher will and validated, before anything starts (the
+    device match and the backends' availability where the jobs run here)."""
+    loader, out, here = sweeper.hydra_context.config_loader, [], launchers.runs_jobs_here(sweeper.launcher)
     for ov in jobs:
         try:
-            out.append(prepare(loader.load_sweep_config(sweeper.config, list(ov)), entry))
+            out.append(prepare(loader.load_sweep_config(sweeper.config, list(ov)), entry, here=here))
         except ConfigError as e:
             cli.config_exit(f"{e} [job: {' '.join(ov)}]")
         except (HydraException, OmegaConfBaseException) as e:
@@ -122,28 +127,50 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     if sweeper.resume:
         parent, todo = _resume(store, str(sweeper.resume), jobs)
     else:
-        parent, todo = _new_parent(store, entry, prepared[0], jobs, keys), jobs
+        parent, todo = _new_parent(store, entry, prepared[0], jobs, keys, launcher_name(cfg.hydra)), jobs
     sweep_dir = Path(cfg.hydra.sweep.dir)
     say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
         + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
     extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
-    returns, failure = [], None
+    returns, failure, ends, slurm = [], None, {}, launchers.SlurmLaunch.of(sweeper.launcher)
     try:
-        returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
+        try:
+            returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
+        except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
+            if slurm is not None and launchers.left_no_result(e):
+                say(f"[{entry}] a SLURM job left no result ({one_line(e)[:160]}...); waiting for the others")
+            else:
+                failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
+                say(traceback.format_exc().rstrip())
+        if slurm is not None:  # every job SLURM still holds, and how SLURM ended each
+            ends = {frozenset(job_key(ov)): end for ov, end in zip(todo, slurm.wait())}
     except KeyboardInterrupt as e:
-        tracking.end_run(store.client, parent, "KILLED", cli.interrupt_reason(e))
-        cli.note_closed(e, parent)
+        _interrupted(store, parent, entry, slurm, e)
         raise
-    except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
-        failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
-        say(traceback.format_exc().rstrip())
-    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure)
+    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure, ends)
     return returns
 
 
-def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list[str]) -> str:
+def _interrupted(store, parent: str, entry: str, slurm, e: KeyboardInterrupt) -> None:
+    """SIGINT/SIGTERM while the launcher runs: SLURM's jobs of the sweep cancelled (waited for a while),
+    the runs still RUNNING and the parent ended KILLED."""
+    why = cli.interrupt_reason(e)
+    cancelled = slurm.cancel() if slurm is not None else []
+    if cancelled:
+        why += f"; the sweep cancelled SLURM jobs {', '.join(j.job_id for j in cancelled)}"
+        say(f"[{entry}] {why}; waiting up to {CANCEL_WAIT_S} s for them to end")
+        slurm.wait_ended(cancelled, CANCEL_WAIT_S)
+    for r in tracking.children(store.client, store.experiment_id, parent):
+        if r.info.status == "RUNNING":
+            tracking.end_run(store.client, r.info.run_id, "KILLED", why)
+            cli.note_closed(e, r.info.run_id)
+    tracking.end_run(store.client, parent, "KILLED", why)
+    cli.note_closed(e, parent)
+
+
+def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list[str], launcher: str) -> str:
     values = {k: [] for k in keys}
     for ov in jobs:
         for o in ov:
@@ -153,7 +180,8 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     params, tags = describe(first, {})
     params = {k: v for k, v in params.items() if k not in values and k.split(".")[0] not in values}
     params.update({f"sweep.{k}": ",".join(v) for k, v in values.items()})
-    tags.update({"sweep": "parent", "sweep_jobs": str(len(jobs)), "seq": ",".join(values.get("seq", [str(first.seq)])),
+    tags.update({"sweep": "parent", "sweep_jobs": str(len(jobs)), "launcher": launcher,
+                 "seq": ",".join(values.get("seq", [str(first.seq)])),
                  "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
                  "sweep_command": " ".join(["python", "-m", f"experiments.{entry}", *sys.argv[1:]])})
     name = f"{entry} sweep " + " ".join(f"{k}={','.join(v)}" for k, v in values.items())
@@ -255,16 +283,29 @@ def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
          r.info.run_id if r else ""] for i, (ov, r) in enumerate(zip(jobs, runs))])
 
 
+def _not_run(ends: dict, ov: list[str]) -> str:
+    end = ends.get(frozenset(job_key(ov)))
+    return "not run" + (f" ({launchers.reason(*end)})" if end else "")
+
+
 def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
-            t0: float, failure: str | None = None) -> None:
+            t0: float, failure: str | None = None, ends: dict | None = None) -> None:
     """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
     parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
-    has returned, so a child still RUNNING lost its process (e.g. killed by a scheduler): it ends FAILED."""
+    has returned, so a child still RUNNING lost its process: it ends FAILED, and so does one that ended
+    itself KILLED on the SIGTERM of a scheduler that ended its job; the reason is the scheduler's
+    (``ends``: per job key, its SLURM job id and state) where there is one."""
+    ends = ends or {}
     runs = _latest(store, parent, jobs)
-    for r in runs:
-        if r is not None and r.info.status == "RUNNING":
-            tracking.end_run(store.client, r.info.run_id, "FAILED",
-                             failure or "the job ended without ending its run (its process was killed?)")
+    for ov, r in zip(jobs, runs):
+        end = ends.get(frozenset(job_key(ov)))
+        by_slurm = end is not None and end[1].split(" ")[0] in launchers.ENDS
+        if r is None or not (r.info.status == "RUNNING" or (by_slurm and r.info.status == "KILLED")):
+            continue
+        why = launchers.reason(*end) if end else failure or "the job ended without ending its run (its process was killed?)"
+        if r.info.status == "KILLED":
+            why += f" (the job: {r.data.tags.get('error', 'KILLED')})"
+        tracking.end_run(store.client, r.info.run_id, "FAILED", why)
     runs = _latest(store, parent, jobs)
     rows, charts = _rows(store, entry, jobs, runs, keys)
     artifacts, series = [], []
@@ -286,21 +327,23 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
     mean_ov, max_ov = sum(overheads) / max(1, len(overheads)), max(overheads, default=0.0)
     wall = time.perf_counter() - t0  # the figure the console reports, too
+    where, placed = launchers.placement(runs, int((time.time() - wall) * 1000))
     try:
         tracking.log_batch(store.client, parent, metrics={
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
-            "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov})
+            "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov, **placed})
         tracking.log_series(store.client, parent, _new_points(store.client, parent, series))
         for a in artifacts:
             store.client.log_artifact(parent, str(a))
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
-            f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else "not run") for ov, r in bad)
+            f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else _not_run(ends, ov)) for ov, r in bad)
         if failure:
             status, error = "FAILED", f"{failure}; {error}"
         tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
+    say(f"[{entry}] {where}")
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
     if status == "FAILED":
         print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "

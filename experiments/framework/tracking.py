@@ -7,9 +7,9 @@ created or upgraded by one process at a time, under an exclusive ``flock`` on ``
 it: MLflow's schema migration is not safe against a second process doing the same (two first sweeps
 on a new store lost runs and left ``_alembic_tmp_*`` tables behind).
 
-Every run records the process that owns it (tags ``host``, ``pid``, ``process``), so a run left
-RUNNING by a process that was killed (SIGKILL, a lost node) can be told apart from a live one:
-:func:`stale` and :func:`close_stale` (``python -m experiments.close_stale``).
+Every run records the process that owns it (tags ``host``, ``pid``, ``process``; in a SLURM job also
+``slurm_job_id``), so a run left RUNNING by a process that was killed (SIGKILL, a lost node) can be
+told apart from a live one: :func:`stale` and :func:`close_stale` (``python -m experiments.close_stale``).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import nsa
 from nsa import env
 from nsa.toolchain import check_toolchain
 
+from . import launchers
 from .config import REPO, ConfigError, one_line
 from .hardware import Device
 from .logs import say
@@ -210,8 +211,14 @@ def _process_start(pid: int) -> str:
 
 
 def process_tags() -> dict[str, str]:
+    """The process that owns a run, the SLURM job it belongs to and the GPUs it may use (the last two
+    where set: ``slurm_job_id``, ``cuda_visible_devices``)."""
     pid = os.getpid()
-    return {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
+    tags = {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
+    for key, value in (("slurm_job_id", env.slurm_job_id()), ("cuda_visible_devices", env.cuda_visible_devices())):
+        if value is not None:
+            tags[key] = value
+    return tags
 
 
 _ENV: dict = {}
@@ -326,10 +333,13 @@ atexit.register(close_open, "KILLED", "the process exited without ending this ru
 # ================================================================================================
 def stale(run) -> bool | None:
     """True: RUNNING and its process is gone; False: ended, or its process lives; None: it ran on
-    another host (or recorded no process), so this host cannot tell."""
+    another host (or recorded no process), so this host cannot tell. A run of a SLURM job is judged by
+    SLURM's accounting, from any host that has it: stale once its job ended."""
     if run.info.status != "RUNNING":
         return False
     t = run.data.tags
+    if t.get("slurm_job_id") and (ended := launchers.slurm_ended(t["slurm_job_id"])) is not None:
+        return ended
     if t.get("host") != platform.node() or not t.get("process", "").split(":", 1)[-1]:
         return None
     pid = int(t["pid"])
@@ -350,7 +360,8 @@ def close_stale(client, rid: str, force: bool = False) -> list[tuple[str, str]]:
         if r.info.status != "RUNNING":
             continue
         s = stale(r)
-        where = f"process {r.data.tags.get('pid', '?')} on {r.data.tags.get('host', '?')}"
+        where = f"process {r.data.tags.get('pid', '?')} on {r.data.tags.get('host', '?')}" + (
+            f" (SLURM job {r.data.tags['slurm_job_id']})" if "slurm_job_id" in r.data.tags else "")
         if s or (s is None and force):
             why = "is gone" if s else "could not be checked from this host (closed with --force)"
             end_run(client, r.info.run_id, "KILLED", f"stale: {where} {why}")
