@@ -129,7 +129,8 @@ def test_dq_partials_in_row_chunks(varlen):
     lens = [37, 5, 30] if varlen else [72]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     N = int(cu[-1])
-    q, k, v = torch.randn(N, 8, 24, generator=g) * 1.5, torch.randn(N, 2, 24, generator=g) * 1.5, torch.randn(N, 2, 16, generator=g)
+    q, k = torch.randn(N, 8, 24, generator=g) * 1.5, torch.randn(N, 2, 24, generator=g) * 1.5
+    v = torch.randn(N, 2, 16, generator=g)
     w = torch.randn(N, 8, 16, generator=g, dtype=F64)
     idx = torch.cat([random_indices(cfg, 1, n, 0, n, g)[0] for n in lens])
     calls = []
