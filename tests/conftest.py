@@ -111,6 +111,15 @@ def skip_unavailable(reason: str):
     pytest.skip(UNAVAILABLE + reason)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """After each test, PyTorch's cached GPU blocks go back to the device: with pytest-xdist several
+    processes share one GPU, and one worker's cache would starve another's allocation."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` run compiled kernels on CUDA: without a CUDA device they are deselected (reported
     as deselected, never as passed or skipped)."""

@@ -206,13 +206,14 @@ def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str):
     assert frac <= tol.index, f"layer/win={win}: {frac:.2%} of the top-n slots differ from the reference's (tol {tol.index:g})"
 
 
-LONG_T = 65536  # cases from this length share one pytest-xdist worker (each holds tens of GB on the GPU)
+LONG_T = 65536  # cases from this length run in pytest-xdist's group BIG (each holds tens of GB on the GPU)
+BIG = "big"    # tests that hold over ~10 GB of GPU memory: one worker runs them one after another
 
 
 def param(case: Case, *rest):
     """A pytest parameter of a case (and more values), named after the case; long cases in the xdist group
-    ``long`` (``pytest -n N --dist loadgroup`` runs them one after another in one worker)."""
-    marks = [pytest.mark.xdist_group("long")] if case.T >= LONG_T else []
+    BIG (``pytest -n N --dist loadgroup`` runs them one after another in one worker)."""
+    marks = [pytest.mark.xdist_group(BIG)] if case.T >= LONG_T else []
     return pytest.param(case, *rest, id="-".join([case.id, *map(str, rest)]), marks=marks)
 
 

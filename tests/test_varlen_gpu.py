@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARG_ORDER, cu_of, per_document, skip_unavailable
+from kernel_cases import BIG
 
 from nsa import NSAAttention, NSAConfig, dispatch, env
 from nsa import functional as fn
@@ -22,6 +23,7 @@ from nsa.varlen import Varlen
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.xdist_group(BIG),  # 26k packed tokens of the paper's heads: up to ~19 GB each
     pytest.mark.skipif(env.triton_interpret(), reason="TRITON_INTERPRET=1 interprets the kernels; these tests "
                                                       "check the compiled bf16 kernels"),
 ]

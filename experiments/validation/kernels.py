@@ -50,7 +50,8 @@ def workers(ctx: Context) -> int:
 
 def xdist(n: int) -> list[str]:
     """pytest-xdist's options for ``n`` processes (compiling the kernels is most of a GPU run's time, one
-    CPU core per compile; the long cases share one worker: tests/kernel_cases.py LONG_T); none for 1."""
+    CPU core per compile; the tests that hold the most GPU memory share one worker: tests/kernel_cases.py
+    BIG); none for 1."""
     return ["-n", str(n), "--dist", "loadgroup"] if n > 1 else []
 
 
