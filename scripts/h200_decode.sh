@@ -5,7 +5,7 @@ set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
   || { echo "wheelhouse install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
 case "$OUT" in /*) TRK="tracking.uri=sqlite:///$OUT/mlflow.db";; *) TRK="tracking.uri=sqlite:///$PWD/$OUT/mlflow.db";; esac
 run() { echo "== $*"; timeout 100 python3 "$@" 2>&1 | grep -v "INFO mlflow" | tee -a "$OUT/log.txt" | grep -E "FINISHED|FAILED|\] (nsa|layer|dense|sel|cmp|win):" ; }
 for B in 64 1; do

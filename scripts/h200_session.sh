@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheelhouse install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
 TRK="tracking.uri=sqlite:///$PWD/$OUT/mlflow.db"
 [ "${OUT#/}" != "$OUT" ] && TRK="tracking.uri=sqlite:///$OUT/mlflow.db"
 SEQS=${SEQS:-8192,16384,32768,65536}
