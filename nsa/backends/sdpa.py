@@ -63,8 +63,7 @@ def band_block_mask(Tq: int, S: int, w: int, q_start: int, device, doc: torch.Te
     hi = torch.clamp(t1, max=S - 1)
     if doc is not None:
         doc = doc.to(device=device, dtype=torch.int64)
-        first = torch.searchsorted(doc, doc, side="left")  # each token's document start
-        lo = torch.maximum(lo, first[t0])
+        lo = torch.maximum(lo, torch.searchsorted(doc, doc[t0]))  # the first query's document start
     blo = lo // BS
     count = hi // BS - blo + 1
     maxc = min(nk, (BS + w - 2) // BS + 2)
