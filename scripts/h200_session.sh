@@ -7,7 +7,8 @@
 #                                             PREFILL_ARGS="backend.win=triton,fa2" adds overrides/sweeps;
 #                                             STEPS=kernels OPS=selection,compressed KERNELS_ARGS=... the ops;
 #                                             STEPS=validate [HW=h100] experiments.validate, its report in
-#                                             $OUT/validate; STEPS=diag: scripts/gpu_diag.py sel, compile, varlen)
+#                                             $OUT/validate; STEPS=diag: scripts/gpu_diag.py sel, compile, varlen;
+#                                             STEPS=train [TRAIN=retrieval32k_short ATTN=nsa,dense] experiments.train)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -27,7 +28,9 @@ has kernels && run "${T_KERNELS:-500}" -m experiments.kernels -m hardware=h200 "
     op="${OPS:-selection,compressed,topn,window,gate,layer,decode}" ${KERNELS_ARGS:-}
 has validate && run "${T_VALIDATE:-560}" -m experiments.validate hardware="${HW:-h200}" "$TRK" "hydra.run.dir=$OUT/validate" \
     ${VALIDATE_ARGS:-}
+has train && run "${T_TRAIN:-570}" -m experiments.train hardware="${HW:-h200}" train="${TRAIN:-retrieval32k_short}" "$TRK" \
+    -m attention="${ATTN:-nsa,dense}" ${TRAIN_ARGS:-}
 for part in sel compile varlen; do has diag && run "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
 has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware=h200 model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
-tar czf "$OUT/runs.tgz" outputs mlruns 2>/dev/null  # at most 8 files come back: one archive
+tar czf "$OUT/runs.tgz" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive
 ls -la "$OUT"

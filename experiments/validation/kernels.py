@@ -71,7 +71,8 @@ def parse(xml: Path) -> list[dict]:
                     outcome, message = "unavailable", message[len(UNAVAILABLE):]
                 break
         out.append({"test": nodeid, "kernel": props.get("kernel", "?"), "outcome": outcome,
-                    "message": " ".join(message.split())[:600], "seconds": float(tc.get("time") or 0.0)})
+                    "message": " ".join(message.split())[:600], "seconds": float(tc.get("time") or 0.0),
+                    "peak_gib": float(props["peak_gib"]) if props.get("peak_gib") else None})
     return out
 
 
@@ -118,8 +119,12 @@ def run(ctx: Context) -> Check:
         by.setdefault(t["kernel"], Counter())[t["outcome"]] += 1
     n = Counter(t["outcome"] for t in cases)
     c.metrics = {f"tests_{o}": float(n[o]) for o in OUTCOMES} | {"tests_deselected": float(len(deselected))}
+    peaks = [t["peak_gib"] for t in cases if t["peak_gib"] is not None]
+    if peaks:
+        c.metrics["peak_gib_max"] = max(peaks)
     c.figures = (f"{n['passed']} passed, {n['failed']} failed, {n['skipped']} skipped, {n['unavailable']} unavailable "
-                 f"here, {len(deselected)} deselected" + (" (interpreter, CPU)" if k.interpreter else " (compiled)"))
+                 f"here, {len(deselected)} deselected" + (" (interpreter, CPU)" if k.interpreter else " (compiled)")
+                 + (f"; the largest test held {max(peaks):.1f} GiB of GPU memory" if peaks else ""))
     for kernel, cnt in sorted(by.items()):
         if cnt["failed"]:
             c.fail(f"{kernel}: {cnt['failed']} of {sum(cnt.values())} tests failed")
@@ -135,8 +140,9 @@ def run(ctx: Context) -> Check:
     c.blocks.append(Items("Unavailable on this device (not passed):",
                           [f"{t['test']}: {t['message']}" for t in cases if t["outcome"] == "unavailable"]))
     c.blocks.append(Items(f"Deselected ({len(deselected)}):", deselected, collapsed=True))
-    c.blocks.append(Table(["test", "kernel", "outcome", "seconds"],
-                          [[t["test"], t["kernel"], t["outcome"], f"{t['seconds']:.2f}"] for t in cases],
+    c.blocks.append(Table(["test", "kernel", "outcome", "seconds", "peak GPU GiB"],
+                          [[t["test"], t["kernel"], t["outcome"], f"{t['seconds']:.2f}",
+                            "" if t["peak_gib"] is None else f"{t['peak_gib']:.2f}"] for t in cases],
                           collapsed=f"Every test ({len(cases)}):"))
     if c.reasons:
         c.blocks.append(Code(tail))
