@@ -32,5 +32,5 @@ has train && run "${T_TRAIN:-570}" -m experiments.train hardware="${HW:-h200}" t
     -m attention="${ATTN:-nsa,dense}" ${TRAIN_ARGS:-}
 for part in sel compile varlen; do has diag && run "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
 has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware=h200 model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
-tar czf "$OUT/runs.tgz" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive
+tar czf "$OUT/runs.tgz" --exclude="*.pt" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive (no checkpoints)
 ls -la "$OUT"

@@ -21,8 +21,8 @@ def compose_train(*overrides):
 
 
 def test_groups():
-    assert GROUPS == {"lm": ["small", "smoke"], "attention": ["dense", "nsa", "window"], "data": ["retrieval", "text"],
-                      "train": ["retrieval32k", "retrieval32k_short", "smoke"]}
+    assert GROUPS == {"lm": ["small", "smoke"], "attention": ["dense", "nsa", "window"], "data": ["needles", "retrieval", "text"],
+                      "train": ["needles32k", "retrieval32k", "retrieval32k_short", "smoke"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -88,6 +88,16 @@ def test_retrieval32k_short_is_retrieval32k_with_half_the_32k_steps():
     assert short.stages()[1][1:] == full.stages()[1][1:] and short.data == full.data and short.lm == full.lm
     assert {k: v for k, v in vars(short.train).items() if k not in ("steps", "time_limit_s", "ckpt_every")} == \
         {k: v for k, v in vars(full.train).items() if k not in ("steps", "time_limit_s", "ckpt_every")}
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_needles32k_preset(attention):
+    run = RunConfig.from_conf(compose_train("train=needles32k", f"attention={attention}"))
+    assert run.data["task"] == "needles" and run.lm.name == "small" and set(run.backend.values()) == {"triton"}
+    (end1, short, b1), (end2, main, b2) = run.stages()
+    assert (short.seq_len, b1, end1) == (2048, 16, 700) and (main.seq_len, b2, end2) == (32768, 1, 1000)
+    assert short.seq_len * b1 == main.seq_len * b2 and short.vocab_size == main.vocab_size
+    assert main.gap >= run.lm.n_layers * (run.lm.attention_config().w - 1)  # out of the window stack's reach
 
 
 def test_the_framework_validates_train_with_the_library():

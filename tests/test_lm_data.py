@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.lm.data import IGNORE, Retrieval, Text, corpus_bytes, make_task
+from experiments.lm.data import IGNORE, Needles, Retrieval, Text, corpus_bytes, make_task
 
 RET = dict(task="retrieval", seq_len=200, n_pairs=12, n_queries=5, n_keys=40, n_values=8, n_filler=6, gap=30)
 
@@ -34,6 +34,35 @@ def test_retrieval_structure():
             first = int((ctx == k).nonzero().flatten()[0])
             assert int(tgt[b, p]) == int(tok[b, first + 1]) == int(tok[b, p + 1])
         assert len(set(tok[b, qpos].tolist())) == Q  # each queried key once
+
+
+NEEDLES = dict(task="needles", seq_len=120, n_slots=6, n_queries=4, n_values=5, n_filler=7, gap=20)
+
+
+def test_needles_structure():
+    t = make_task(NEEDLES, seed=2)
+    B, T, S, Q, V = 16, 120, 6, 4, 5
+    tok, tgt = t.batch("val", 3, B)
+    assert tok.shape == tgt.shape == (B, T) and int(tok.min()) >= 0 and int(tok.max()) < t.vocab_size == 6 * 6 + 7
+    qpos = T - 2 * Q + 2 * torch.arange(Q)
+    for b in range(B):
+        ctx = tok[b, : t.context]
+        needles = ctx[ctx < S * V]
+        assert sorted((needles // V).tolist()) == list(range(S))  # one needle per slot, in the slot's range
+        assert (tok[b, t.context : T - 2 * Q] >= S * V + S).all()  # the gap holds filler only
+        assert (tgt[b] != IGNORE).nonzero().flatten().tolist() == qpos.tolist()
+        slots = (tok[b, qpos] - S * V).tolist()
+        assert len(set(slots)) == Q and all(0 <= j < S for j in slots)  # each queried slot once
+        for p, j in zip(qpos.tolist(), slots):
+            assert int(tgt[b, p]) == int(needles[needles // V == j]) == int(tok[b, p + 1])
+
+
+@pytest.mark.parametrize("change,match", [(dict(n_queries=7), "data.n_queries=7: must be <= n_slots=6"),
+                                          (dict(seq_len=30), "data.seq_len=30: too short for 6 needles"),
+                                          (dict(n_values=0), "data.n_values=0: must be an integer >= 1")])
+def test_needles_config_errors(change, match):
+    with pytest.raises(ValueError, match=match):
+        Needles(**{k: v for k, v in {**NEEDLES, **change}.items() if k != "task"})
 
 
 def test_batches_are_a_function_of_their_index():

@@ -13,6 +13,8 @@ consumed), stored in the checkpoint, and a resumed run sees the batches an unint
   within ``gap`` tokens of the query region. A stack of L sliding-window layers reaches L (w - 1)
   tokens back, so with ``gap >= L (w - 1)`` the window model can only guess (accuracy 1 / n_values);
   with a smaller gap it can relay the last pairs through its layers.
+* :class:`Needles`: multi-needle retrieval, single hop (one value of each slot hidden in filler; the
+  query names the slot): the long-range lookup a small model learns quickly.
 * :class:`Text`: byte-level language modelling on the English documentation text that CPython ships
   in its standard library (``pydoc_data.topics``, ~465 KB in 3.11), every 8th topic (~8 % of the text) held out for
   validation; training windows are drawn without replacement, reshuffled every epoch.
@@ -105,6 +107,64 @@ class Retrieval:
         return tok, tgt
 
 
+@dataclass(frozen=True)
+class Needles:
+    """Multi-needle retrieval (single hop; RULER's multi-key needle-in-a-haystack, Hsieh et al. 2024, in
+    its simplest form). Each of ``n_slots`` slots owns ``n_values`` value tokens; every sequence hides one
+    value of each slot (the needle) at a random position among filler tokens; the last ``2 * n_queries``
+    tokens ask ``n_queries`` of the slots (a slot token, then its needle), and the loss is taken at the slot
+    tokens (predict the slot's needle). No needle lies within ``gap`` tokens of the queries. Where MQAR
+    needs two attention hops (find the key, read the token after it), a needle is found and read in one,
+    so a small model learns it in hundreds of steps where MQAR takes many thousands; beyond a window stack's
+    reach (``gap``) only the long-range branches can fetch it. Token ids: slot j's values
+    ``[j * n_values, (j + 1) * n_values)``, then the slot tokens, then filler."""
+
+    seq_len: int
+    n_slots: int
+    n_queries: int
+    n_values: int
+    n_filler: int
+    gap: int
+    seed: int = 0
+    task: str = "needles"
+
+    def __post_init__(self):
+        _positive("data", self, ("seq_len", "n_slots", "n_queries", "n_values", "n_filler"))
+        _int_at_least("data.gap", self.gap, 0)
+        if self.n_queries > self.n_slots:
+            raise ValueError(f"data.n_queries={self.n_queries}: must be <= n_slots={self.n_slots}")
+        if self.context < self.n_slots:
+            need = self.n_slots + 2 * self.n_queries + self.gap
+            raise ValueError(f"data.seq_len={self.seq_len}: too short for {self.n_slots} needles, the gap of {self.gap} "
+                             f"and {self.n_queries} queries (needs >= {need})")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.n_slots * (self.n_values + 1) + self.n_filler
+
+    @property
+    def context(self) -> int:
+        """Tokens before the gap: the needles lie in ``[0, context)``."""
+        return self.seq_len - 2 * self.n_queries - self.gap
+
+    def batch(self, split: str, index: int, batch_size: int):
+        _check_split(split)
+        g = generator(self.seed, split, index)
+        B, T, S, Q, V = batch_size, self.seq_len, self.n_slots, self.n_queries, self.n_values
+        first_slot = S * V
+        tok = first_slot + S + torch.randint(self.n_filler, (B, T), generator=g)
+        needle = torch.arange(S) * V + torch.randint(V, (B, S), generator=g)  # slot j's needle, in its range
+        pos = torch.rand(B, self.context, generator=g).argsort(-1)[:, :S]  # distinct positions
+        rows = torch.arange(B)[:, None]
+        tok[rows, pos] = needle
+        ask = torch.rand(B, S, generator=g).argsort(-1)[:, :Q]  # which slots are queried, in which order
+        qpos = T - 2 * Q + 2 * torch.arange(Q)
+        tok[rows, qpos], tok[rows, qpos + 1] = first_slot + ask, needle.gather(1, ask)
+        tgt = torch.full((B, T), IGNORE, dtype=torch.int64)
+        tgt[rows, qpos] = needle.gather(1, ask)  # at a slot token, predict that slot's needle
+        return tok, tgt
+
+
 def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
     """The text of ``pydoc_data.topics`` (CPython's standard library) as bytes: topics in sorted order,
     every ``val_stride``-th one (indices val_stride-1, 2*val_stride-1, ..) in ``val``, the rest in ``train``."""
@@ -156,7 +216,7 @@ class Text:
         return chunk[:, :-1], chunk[:, 1:]
 
 
-TASKS = {"retrieval": Retrieval, "text": Text}
+TASKS = {"retrieval": Retrieval, "needles": Needles, "text": Text}
 
 
 def make_task(data: dict, seed: int):
