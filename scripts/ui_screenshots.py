@@ -27,6 +27,17 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+def parent_png(client: MlflowClient, run_id: str) -> str | None:
+    """The sweep's plot on its parent run: its first PNG artifact (``<experiment>_vs_seq.png`` for the
+    benchmarks, ``train_by_step.png`` for training); None where the run's artifacts cannot be listed here."""
+    try:
+        pngs = sorted(f.path for f in client.list_artifacts(run_id) if f.path.endswith(".png"))
+    except Exception as e:  # noqa: BLE001 - an artifact store this machine cannot read: say so, shoot the rest
+        print(f"artifacts of {run_id} not listed: {e}")
+        return None
+    return pngs[0] if pngs else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +97,7 @@ def main() -> None:
                   a.out / "runs_table.png", Path(profile))
             shoot(a.chromium, f"{base}/#/experiments/{eid}/runs?workflowType=machine_learning&compareRunsMode=CHART",
                   a.out / "runs_charts.png", Path(profile), "1600,1400")
-            png = a.experiment.removeprefix("nsa-") + "_vs_seq.png"  # the sweep's plot on its parent
+            png = parent_png(client, rid) or a.experiment.removeprefix("nsa-") + "_vs_seq.png"
             shoot(a.chromium, f"{base}/#/experiments/{eid}/runs/{rid}/artifacts/{png}?workflowType=machine_learning",
                   a.out / "parent_plot.png", Path(profile))
     finally:  # the server and its workers: one process group
