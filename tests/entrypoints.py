@@ -6,6 +6,7 @@ import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,17 @@ def start(tmp: Path, entry: str, *args: str, name: str | None = "x", template: P
         cmd += [f"hydra.run.dir={tmp / 'out' / name}", f"hydra.sweep.dir={tmp / 'out' / name}"]
     e = env(**(extra_env or {}))
     e["PYTHONPATH"] = str(repo) + os.pathsep + e["PYTHONPATH"]
-    return subprocess.Popen(cmd, cwd=tmp, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=tmp, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_signals)
+
+
+def default_signals() -> None:
+    """In a started entry point, SIGINT and SIGTERM as in a user's terminal. A process inherits ignored
+    signals, and a script's background job (``pytest ... &``) starts with SIGINT ignored; an entry point
+    keeps a signal ignored at its start (experiments/framework/cli.py), so the interrupt tests would then
+    see a sweep that cannot be interrupted."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def wait(p: subprocess.Popen, timeout: float = 300):
