@@ -51,6 +51,20 @@ def _positive(prefix: str, obj, names):
         _int_at_least(f"{prefix}.{f}", getattr(obj, f), 1)
 
 
+def _ask(tok: torch.Tensor, g: torch.Generator, cues: torch.Tensor, answers: torch.Tensor, n_queries: int):
+    """The query region of a lookup task, in place in ``tok [B,T]``: its last ``2 * n_queries`` tokens ask
+    ``n_queries`` of the ``cues [B,N]`` (drawn without repeats, in random order), each followed by its
+    answer (``answers [B,N]``); returns the targets: the answer at each cue, IGNORE elsewhere."""
+    B, T = tok.shape
+    ask = torch.rand(cues.shape, generator=g).argsort(-1)[:, :n_queries]  # which cues are asked, in which order
+    qpos = T - 2 * n_queries + 2 * torch.arange(n_queries)
+    rows = torch.arange(B)[:, None]
+    tok[rows, qpos], tok[rows, qpos + 1] = cues.gather(1, ask), answers.gather(1, ask)
+    tgt = torch.full((B, T), IGNORE, dtype=torch.int64)
+    tgt[rows, qpos] = answers.gather(1, ask)
+    return tgt
+
+
 @dataclass(frozen=True)
 class Retrieval:
     """MQAR (see the module docstring). Token ids: values ``[0, n_values)``, keys
@@ -90,8 +104,8 @@ class Retrieval:
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)
         g = generator(self.seed, split, index)
-        B, T, P, Q, V = batch_size, self.seq_len, self.n_pairs, self.n_queries, self.n_values
-        tok = V + self.n_keys + torch.randint(self.n_filler, (B, T), generator=g)
+        B, P, Q, V = batch_size, self.n_pairs, self.n_queries, self.n_values
+        tok = V + self.n_keys + torch.randint(self.n_filler, (B, self.seq_len), generator=g)
         keys = V + torch.rand(B, self.n_keys, generator=g).argsort(-1)[:, :P]  # distinct keys per row
         vals = torch.randint(V, (B, P), generator=g)
         # P non-overlapping pair starts in [0, context - 1): sorted distinct draws s_i, start_i = s_i + i.
@@ -99,12 +113,7 @@ class Retrieval:
         start = s + torch.arange(P)
         rows = torch.arange(B)[:, None]
         tok[rows, start], tok[rows, start + 1] = keys, vals
-        ask = torch.rand(B, P, generator=g).argsort(-1)[:, :Q]  # which pairs are queried, in which order
-        qpos = T - 2 * Q + 2 * torch.arange(Q)
-        tok[rows, qpos], tok[rows, qpos + 1] = keys.gather(1, ask), vals.gather(1, ask)
-        tgt = torch.full((B, T), IGNORE, dtype=torch.int64)
-        tgt[rows, qpos] = vals.gather(1, ask)  # at a queried key, predict its value
-        return tok, tgt
+        return tok, _ask(tok, g, keys, vals, Q)  # at a queried key, predict its value
 
 
 @dataclass(frozen=True)
@@ -150,19 +159,15 @@ class Needles:
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)
         g = generator(self.seed, split, index)
-        B, T, S, Q, V = batch_size, self.seq_len, self.n_slots, self.n_queries, self.n_values
+        B, S, Q, V = batch_size, self.n_slots, self.n_queries, self.n_values
         first_slot = S * V
-        tok = first_slot + S + torch.randint(self.n_filler, (B, T), generator=g)
+        tok = first_slot + S + torch.randint(self.n_filler, (B, self.seq_len), generator=g)
         needle = torch.arange(S) * V + torch.randint(V, (B, S), generator=g)  # slot j's needle, in its range
         pos = torch.rand(B, self.context, generator=g).argsort(-1)[:, :S]  # distinct positions
         rows = torch.arange(B)[:, None]
         tok[rows, pos] = needle
-        ask = torch.rand(B, S, generator=g).argsort(-1)[:, :Q]  # which slots are queried, in which order
-        qpos = T - 2 * Q + 2 * torch.arange(Q)
-        tok[rows, qpos], tok[rows, qpos + 1] = first_slot + ask, needle.gather(1, ask)
-        tgt = torch.full((B, T), IGNORE, dtype=torch.int64)
-        tgt[rows, qpos] = needle.gather(1, ask)  # at a slot token, predict that slot's needle
-        return tok, tgt
+        slots = (first_slot + torch.arange(S)).expand(B, S)
+        return tok, _ask(tok, g, slots, needle, Q)  # at a slot token, predict that slot's needle
 
 
 def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
