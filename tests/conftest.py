@@ -111,17 +111,20 @@ def skip_unavailable(reason: str):
     pytest.skip(UNAVAILABLE + reason)
 
 
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 @pytest.fixture(autouse=True)
 def _release_gpu_memory(request):
     """After each test, PyTorch's cached GPU blocks go back to the device: with pytest-xdist several
     processes share one GPU, and one worker's cache would starve another's allocation. The test's peak
     of allocated GPU memory is recorded as the junit property ``peak_gib`` (experiments.validate's
     kernel table shows it: what a card needs to run the case)."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
+    if _cuda_in_use():
         torch.cuda.reset_peak_memory_stats()
     yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():  # the test itself may have been the first to touch CUDA
         request.node.user_properties.append(("peak_gib", f"{torch.cuda.max_memory_allocated() / 2**30:.2f}"))
         torch.cuda.empty_cache()
 

@@ -156,7 +156,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <property name="nodeid" value="tests/test_kernels_gpu.py::test_sel[a]"/><property name="kernel" value="sel"/></properties>
 <failure message="AssertionError: sel/triton: over tolerance">long text</failure></testcase>
 <testcase classname="tests.test_kernels_gpu" name="test_cmp[a]" time="0.5"><properties>
-<property name="nodeid" value="tests/test_kernels_gpu.py::test_cmp[a]"/><property name="kernel" value="cmp"/></properties>
+<property name="nodeid" value="tests/test_kernels_gpu.py::test_cmp[a]"/><property name="kernel" value="cmp"/>
+<property name="peak_gib" value="41.54"/></properties>
 </testcase>
 <testcase classname="tests.test_varlen_gpu" name="test_w[fa2]" time="0.0"><properties>
 <property name="nodeid" value="tests/test_varlen_gpu.py::test_w[fa2]"/><property name="kernel" value="varlen"/></properties>
@@ -174,6 +175,8 @@ def test_junit_outcomes_tell_an_unavailable_backend_from_a_skip(tmp_path):
                    "test_cmp[a]": ("cmp", "passed", ""),
                    "test_w[fa2]": ("varlen", "unavailable", "no varlen_attn(window_size)"),
                    "test_v": ("varlen", "skipped", "TRITON_INTERPRET=1 interprets the kernels")}
+    peaks = {t["test"].split("::")[1]: t["peak_gib"] for t in kernels.parse(tmp_path / "j.xml")}
+    assert peaks == {"test_sel[a]": None, "test_cmp[a]": 41.54, "test_w[fa2]": None, "test_v": None}
 
 
 def _decode_rows(path: str, t: dict) -> list[dict]:
