@@ -2,7 +2,7 @@
 
     python -m experiments.train train=smoke                                  # CPU: text, 60 steps
     python -m experiments.train -m attention=nsa,dense train=smoke           # one parent run, both curves
-    python -m experiments.train hardware=h200 train=retrieval32k_short -m attention=nsa,dense
+    python -m experiments.train hardware=h200 train=needles32k -m attention=nsa,dense
 
 One MLflow run per job (experiment ``nsa-train``). As the loop logs a step, the run gets its metrics
 (``experiments.lm.loop``: ``loss``, ``accuracy``, ``tokens_per_s``, peak memory, ``gate_<branch>``

@@ -94,9 +94,10 @@ def test_retrieval32k_short_is_retrieval32k_with_half_the_32k_steps():
 def test_needles32k_preset(attention):
     run = RunConfig.from_conf(compose_train("train=needles32k", f"attention={attention}"))
     assert run.data["task"] == "needles" and run.lm.name == "small" and set(run.backend.values()) == {"triton"}
-    (end1, short, b1), (end2, main, b2) = run.stages()
-    assert (short.seq_len, b1, end1) == (2048, 16, 700) and (main.seq_len, b2, end2) == (32768, 1, 1000)
-    assert short.seq_len * b1 == main.seq_len * b2 and short.vocab_size == main.vocab_size
+    assert [(t.seq_len, t.gap, b, end) for end, t, b in run.stages()] == \
+        [(256, 32, 64, 300), (2048, 512, 16, 700), (8192, 2048, 4, 1100), (32768, 2048, 1, 2600)]
+    assert len({t.vocab_size for _, t, _ in run.stages()}) == 1 and run.lm.attention_config().rope_base == 5e5
+    main = run.stages()[-1][1]
     assert main.gap >= run.lm.n_layers * (run.lm.attention_config().w - 1)  # out of the window stack's reach
 
 
