@@ -186,3 +186,15 @@ def test_decoder_goes_through_the_dispatch():
         GraphDecoder(m, m.new_cache(1, 4), backend="reference")
     with pytest.raises(ValueError, match="one backend"):
         GraphDecoder(m, m.new_cache(1, 4), backend={"cmp": "triton", "sel": "triton", "win": "reference"})
+
+
+def test_programmatic_dependent_launch_is_off_in_the_interpreter_and_refused_where_unsupported():
+    """``tuning.decode.pdl``: derived (None) on CUDA, False in the interpreter's table; True without an
+    sm_90 GPU is a one-line error naming the key, not a silent serial launch."""
+    m = NSAAttention(_cfg(4, 2, 16, 16)).eval()
+    assert GraphDecoder(m, m.new_cache(1, 32)).kernel_params()["pdl"] is False
+    with tuning.overrides({"decode": {"pdl": True}}), \
+            pytest.raises(ValueError, match=r"^tuning.decode.pdl=True: programmatic dependent launch needs a CUDA GPU"):
+        GraphDecoder(m, m.new_cache(1, 32))
+    with pytest.raises(ValueError, match=r"tuning.decode.pdl='yes': must be true or false"):
+        tuning.validate({"decode": {"pdl": "yes"}})

@@ -78,6 +78,7 @@ def decoder(b: Bench):
 def timed(b: Bench) -> None:
     c, B, S = b.c, b.B, b.T
     m, cache, dec, q, g = decoder(b)
+    b.tags["decode_pdl"] = str(dec.kernel_params()["pdl"])  # programmatic dependent launch between kernels
     xs = b.randn(B, 1, c.dim)
     with torch.no_grad():
         dec.attend(q, g, position=S - 1, count=True)  # the top-n the sel row reads; the kernels' counts

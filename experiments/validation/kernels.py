@@ -2,7 +2,8 @@
 
 On a GPU: ``pytest -m gpu tests/test_*_gpu.py`` without ``TRITON_INTERPRET``: the kernels compiled on
 this device (tests/test_kernels_gpu.py: each branch and the whole layer, every backend that runs
-here, against the reference; tests/test_varlen_gpu.py: packed documents). On a CPU: the interpreter's
+here, against the reference; tests/test_varlen_gpu.py: packed documents; tests/test_decode_gpu.py: the decode
+step's kernels from CUDA graphs, with and without programmatic dependent launch). On a CPU: the interpreter's
 twin (tests/test_kernels_interpret.py) under ``TRITON_INTERPRET=1``, which the report says plainly is
 not the compiled check. ``validate.inject_fault`` is passed on as ``--inject-fault``.
 

@@ -17,6 +17,11 @@ fixed grids and preallocated workspaces, so that one CUDA graph serves every ste
 4. ``_dec_combine``      grid (B*H,): combines the sel partials and the win partials separately,
    applies the gates and adds g_cmp * o_cmp.
 
+On sm_90+ (``tuning.decode.pdl``) the four launch with programmatic dependent launch: each kernel's
+programs are launched while the previous kernel runs and wait for it (``griddepcontrol.wait``) before
+reading anything, so no launch latency lies between them; outputs are bit-identical to serial launches
+(tests/test_decode_gpu.py).
+
 Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
 ``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
 
@@ -35,7 +40,25 @@ import triton.language as tl
 from . import tuning
 from .utils import DOT_MIN, LOG2E, default_scale, dot_precision, p2, poisoning
 
+try:  # grid dependency control (programmatic dependent launch, sm_90+): triton >= 3.4
+    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # the kernels reach these only with PDL=True, which pdl_supported() refuses here
+    HAS_GDC = False
+    gdc_wait = gdc_launch_dependents = None
+
 NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel in the stream has finished
+    and its writes are visible, then let the next one start launching (its programs then wait here
+    in turn, so no launch latency lies between the step's kernels). Without: nothing."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # Few nested @triton.jit calls, none inside loops: the interpreter (CPU tests) re-patches
@@ -54,7 +77,8 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
                      H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      L: tl.constexpr, D: tl.constexpr, NSC: tl.constexpr,
                      BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr):
+                     PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     # SMALL_DOT: BLOCK_C is below the tl.dot minimum of the running triton (16 on triton 3.0, even
     # under the interpreter); the two products are then broadcast-multiply-sums in fp32.
     bh = tl.program_id(0).to(tl.int64)
@@ -114,7 +138,8 @@ def _dec_cmp_topk(pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
                   L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
                   N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                   BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
-                  BSEL: tl.constexpr, DO_TOPK: tl.constexpr):
+                  BSEL: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     t = tl.load(pos_ptr).to(tl.int32)
     n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
@@ -198,9 +223,10 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
                     NS_SEL: tl.constexpr, SEL_PER: tl.constexpr, SEL_VEC: tl.constexpr, NS_TOT: tl.constexpr,
                     WIN_PER: tl.constexpr, NWC: tl.constexpr, SPLIT_OFF: tl.constexpr,
                     BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLS: tl.constexpr, BW: tl.constexpr,
-                    PREC: tl.constexpr, COUNT: tl.constexpr):
+                    PREC: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr):
     """Splits 0..NS_SEL-1: SEL_PER selected blocks each (SEL_VEC per tile); the rest: WIN_PER
     window tiles of BW tokens each. Tiles of either kind are NT = max(SEL_VEC*BLS, BW) wide."""
+    _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1) + SPLIT_OFF
     b = bh // H
@@ -287,8 +313,9 @@ def _dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
                  H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr,
                  HAS_CMP: tl.constexpr, HAS_SEL: tl.constexpr, HAS_WIN: tl.constexpr,
-                 BG: tl.constexpr, BDV: tl.constexpr):
+                 BG: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
     """o = g_cmp * o_cmp + g_sel * combine(sel partials) + g_win * combine(win partials)."""
+    _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -312,7 +339,13 @@ def _dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
              o.to(out_ptr.dtype.element_ty), mask=omask)
 
 
-def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: dict) -> dict:
+def pdl_supported(device=None) -> bool:
+    """Programmatic dependent launch on ``device`` (default: the current CUDA device): triton's grid
+    dependency control and a GPU of sm_90 or later."""
+    return HAS_GDC and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: dict, device=None) -> dict:
     """The decode kernels' tile and split sizes for ``B`` sequences and caches of ``max_len`` raw
     tokens on ``n_sm`` multiprocessors; ``tune``: ``tuning.params("decode")``, whose None entries
     are derived here. Without a GPU (the interpreter runs programs one by one): few, large programs."""
@@ -333,7 +366,13 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
     sel_per = tune["sel_per"] or ((4 if big else 1) if gpu else max(1, c.n_sel // 2))
     win_per = tune["win_per"] or ((4 if big else 1) if gpu else nwc)
     ns_sel, ns_win = -(-c.n_sel // sel_per), -(-nwc // win_per)
-    return dict(BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS, block_c=block_c, nsc=nsc,
+    pdl = tune["pdl"]
+    if pdl is None:
+        pdl = gpu and pdl_supported(device)
+    elif pdl and not (gpu and pdl_supported(device)):
+        raise ValueError("tuning.decode.pdl=True: programmatic dependent launch needs a CUDA GPU of sm_90 or later "
+                         f"and triton >= 3.4 (here: {'triton without gdc' if not HAS_GDC else 'no such GPU'})")
+    return dict(pdl=pdl, BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS, block_c=block_c, nsc=nsc,
                 NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2), BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc,
                 sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per), win_per=win_per, ns_sel=ns_sel,
                 ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"], topk_warps=tune["topk_warps"],
@@ -352,7 +391,8 @@ class DecodeKernels:
         gpu = device.type == "cuda"
         if n_sm is None:
             n_sm = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 4
-        self.p = launch_params(c, B, max_len, gpu=gpu, n_sm=n_sm, tune=tuning.params("decode", device))
+        self.p = launch_params(c, B, max_len, gpu=gpu, n_sm=n_sm, tune=tuning.params("decode", device),
+                               device=device if gpu else None)
         self.prec = dot_precision(dtype)
         H, G, p = c.n_kv_heads, c.G, self.p
         f32 = {"device": device, "dtype": torch.float32}
@@ -388,6 +428,8 @@ class DecodeKernels:
         BH = self.B * H
         qk = default_scale(q, scale) * LOG2E
         nw = p["warps"]
+        # PDL is a constexpr of every kernel; launch_pdl (the launch attribute) exists only compiled
+        pdl = dict(PDL=True, launch_pdl=True) if p["pdl"] else dict(PDL=False)
         assert q.stride(-1) == 1 and k_cmp.stride(-1) == 1 and k_sel.stride(-1) == 1 and k_win.stride(-1) == 1
         if poisoning():
             self.out.fill_(float("nan"))
@@ -400,13 +442,13 @@ class DecodeKernels:
                 v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), qk, p["TCS"],
                 H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"],
                 BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], BLOCK_C=p["block_c"], PREC=self.prec, COUNT=count,
-                SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw)
+                SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, **pdl)
             _dec_cmp_topk[(BH,)](
                 pos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
                 H=H, G=G, DV=c.d_v, L=c.l, D=c.d, LS=c.l_sel, NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2),
                 N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
                 BG=p["BG"], BDV=p["BDV"], BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"],
-                BSEL=p["BSEL"], DO_TOPK=topk, num_warps=p["topk_warps"])
+                BSEL=p["BSEL"], DO_TOPK=topk, num_warps=p["topk_warps"], **pdl)
         has_sel, has_win = "sel" in branches, "win" in branches
         if has_sel or has_win:
             off = 0 if has_sel else p["ns_sel"]
@@ -419,7 +461,7 @@ class DecodeKernels:
                 qk, H=H, G=G, DK=c.d_k, DV=c.d_v, LS=c.l_sel, W=c.w, N_SEL=c.n_sel,
                 NS_SEL=p["ns_sel"], SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"],
                 WIN_PER=p["win_per"], NWC=p["nwc"], SPLIT_OFF=off, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
-                BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw)
+                BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw, **pdl)
         cb = branches if combine_branches is None else combine_branches
         if combine:
             _dec_combine[(BH,)](
@@ -427,5 +469,5 @@ class DecodeKernels:
                 gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
                 H=H, G=G, DV=c.d_v, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"],
                 HAS_CMP="cmp" in cb, HAS_SEL="sel" in cb, HAS_WIN="win" in cb,
-                BG=p["BG"], BDV=p["BDV"], num_warps=nw)
+                BG=p["BG"], BDV=p["BDV"], num_warps=nw, **pdl)
         return self.out
