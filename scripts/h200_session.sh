@@ -6,9 +6,9 @@
 #   bash scripts/h200_session.sh            (SEQS=65536 STEPS="prefill parity" bash ... for a subset;
 #                                             PREFILL_ARGS="backend.win=triton,fa2" adds overrides/sweeps;
 #                                             STEPS=kernels OPS=selection,compressed KERNELS_ARGS=... the ops;
-#                                             STEPS=validate [HW=h100] experiments.validate, its report in
+#                                             STEPS=validate [HW=h200|h100] experiments.validate, its report in
 #                                             $OUT/validate; STEPS=diag: scripts/gpu_diag.py sel, compile, varlen;
-#                                             STEPS=train [TRAIN=retrieval32k_short ATTN=nsa,dense] experiments.train)
+#                                             STEPS=train [TRAIN=needles32k ATTN=nsa,dense] experiments.train)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,19 +18,22 @@ TRK="tracking.uri=sqlite:///$PWD/$OUT/mlflow.db"
 [ "${OUT#/}" != "$OUT" ] && TRK="tracking.uri=sqlite:///$OUT/mlflow.db"
 SEQS=${SEQS:-8192,16384,32768,65536}
 run() { local t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" 2>&1 | grep -v "INFO mlflow" | tee -a "$OUT/log.txt" | tail -n 30; }
+# The hardware profile: auto (the profile matching the card found: the device tool may lend an H100 for
+# an H200 call) unless HW names one, which must then match the card.
+HW=${HW:-auto}
 STEPS=${STEPS:-prefill decode parity}  # any subset, e.g. STEPS=prefill
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
-has prefill && run "${T_PREFILL:-170}" -m experiments.prefill -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
+has prefill && run "${T_PREFILL:-170}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.timing.warmup=2 model.timing.repeats=8 ${PREFILL_ARGS:-}
-has decode && run "${T_DECODE:-130}" -m experiments.decode -m hardware=h200 model=h200bench backend=triton "$TRK" seq="$SEQS" \
+has decode && run "${T_DECODE:-130}" -m experiments.decode -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.batch=64 model.timing.warmup=5 model.timing.repeats=50
-has kernels && run "${T_KERNELS:-500}" -m experiments.kernels -m hardware=h200 "$TRK" seq="$SEQS" \
+has kernels && run "${T_KERNELS:-500}" -m experiments.kernels -m hardware="$HW" "$TRK" seq="$SEQS" \
     op="${OPS:-selection,compressed,topn,window,gate,layer,decode}" ${KERNELS_ARGS:-}
-has validate && run "${T_VALIDATE:-560}" -m experiments.validate hardware="${HW:-h200}" "$TRK" "hydra.run.dir=$OUT/validate" \
+has validate && run "${T_VALIDATE:-560}" -m experiments.validate hardware="$HW" "$TRK" "hydra.run.dir=$OUT/validate" \
     ${VALIDATE_ARGS:-}
-has train && run "${T_TRAIN:-570}" -m experiments.train hardware="${HW:-h200}" train="${TRAIN:-retrieval32k_short}" "$TRK" \
+has train && run "${T_TRAIN:-570}" -m experiments.train hardware="$HW" train="${TRAIN:-needles32k}" "$TRK" \
     -m attention="${ATTN:-nsa,dense}" ${TRAIN_ARGS:-}
 for part in sel compile varlen; do has diag && run "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
-has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware=h200 model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
+has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" --exclude="*.pt" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive (no checkpoints)
 ls -la "$OUT"
