@@ -10,7 +10,8 @@ for NSA; every ``train.eval_every`` steps ``val_loss``, ``val_accuracy`` and NSA
 ``sel_recall``), stepped by training step. Params: the config and the parameter counts by kind
 (``n_params.<kind>``). At the end, the headline metrics from the whole stored curve: ``0_final_loss``
 and ``0_val_loss`` / ``0_val_accuracy`` (the last logged), ``0_tokens_per_s`` (median over the main
-stage's logged steps), ``0_sel_recall`` / ``0_sel_mass`` (NSA), ``0_peak_mem_gib`` (CUDA). A sweep's
+stage's logged steps), ``0_sel_recall`` / ``0_sel_mass`` (NSA; on a retrieval task also their
+``_answers`` forms, at the answer positions), ``0_peak_mem_gib`` (CUDA). A sweep's
 parent carries every job's curves as its own metrics (``loss/nsa``, ``val_accuracy/dense``, ...) and
 ``train_by_step.png``.
 
@@ -69,7 +70,8 @@ def headline(job: Job, cfg: RunConfig) -> dict[str, float]:
     """From the run's stored curve, whichever processes logged it."""
     out = {}
     for name, key in (("final_loss", "loss"), ("val_loss", "val_loss"), ("val_accuracy", "val_accuracy"),
-                      ("sel_recall", "sel_recall"), ("sel_mass", "sel_mass")):
+                      ("sel_recall", "sel_recall"), ("sel_mass", "sel_mass"),
+                      ("sel_recall_answers", "sel_recall_answers"), ("sel_mass_answers", "sel_mass_answers")):
         h = job.run.history(key)
         if h:
             out[name] = h[-1][1]

@@ -39,6 +39,7 @@ def test_loss_falls_on_text(tmp_path):
     # Measured: 5.5 -> ~3.0 over these steps; a model that does not learn stays within noise of 5.5.
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.5, losses
     assert logged[-1][1]["val_loss"] < losses[0] - 1.5
+    assert not [k for _, m in logged for k in m if "_answers" in k]  # text: every position is an answer
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense", "window"])
@@ -48,9 +49,11 @@ def test_metrics_per_variant(tmp_path, attention):
     _, logged = run(cfg, tmp_path)
     assert [s for s, _ in logged] == [2, 4]
     base = {"loss", "accuracy", "grad_norm", "lr", "seq_len", "tokens_per_s", "model_tflop_per_s", "rss_peak_gib"}
-    nsa = {f"gate_{b}{suffix}" for b in ("cmp", "sel", "win") for suffix in ("", "_l0", "_l1")}
+    # a retrieval task: NSA's gates and selection also over its answer positions alone
+    nsa = {f"gate_{b}{at}{suffix}" for b in ("cmp", "sel", "win") for at in ("", "_answers") for suffix in ("", "_l0", "_l1")}
     evaluation = {"val_loss", "val_accuracy"}
-    selection = {f"{k}{suffix}" for k in ("sel_mass", "sel_recall") for suffix in ("", "_l0", "_l1")}
+    selection = {f"{k}{at}{suffix}" for k in ("sel_mass", "sel_recall") for at in ("", "_answers")
+                 for suffix in ("", "_l0", "_l1")}
     want = base | (nsa if attention == "nsa" else set())
     assert set(logged[0][1]) == want
     assert set(logged[1][1]) == want | evaluation | (selection if attention == "nsa" else set())

@@ -85,16 +85,18 @@ def test_selection_quality_matches_a_plain_loop():
     c = layer.config
     B, T, rows = 2, 64, 20
     x = torch.randn(B, T, 24, generator=torch.Generator().manual_seed(2))
-    got = probes.selection_quality(layer, x, rows)
+    answers = torch.rand(B, rows, generator=torch.Generator().manual_seed(3)) < 0.3
+    got = probes.selection_quality(layer, x, rows, answers)
     with torch.no_grad():
         q, kv, _ = layer._project(x, torch.arange(T))
         k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
         _, idx = functional.nsa_attention(q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"],
                                           torch.rand(B, T, c.n_heads, 3), c, return_indices=True)
     G = c.G
-    shares, recalls = [], []
+    shares, recalls, at_answer_s, at_answer_r = [], [], [], []
     for b in range(B):
         for t in range(T - rows, T):
+            ans = bool(answers[b, t - (T - rows)])
             blocks = [j for j in range(c.n_blocks(T)) if j * c.l_sel <= t]
             for g in range(c.n_kv_heads):
                 sel = {int(j) for j in idx[b, t, g] if j >= 0}
@@ -104,15 +106,29 @@ def test_selection_quality_matches_a_plain_loop():
                     z = sum(math.exp(v - max(s)) for v in s)
                     p = [math.exp(v - max(s)) / z for v in s]
                     shares.append(sum(p[u] for u in range(t + 1) if u // c.l_sel in sel))
+                    at_answer_s.append(ans)
                     for u in range(t + 1):
                         group_mass[u // c.l_sel] += p[u]
                 top = sorted(blocks, key=lambda j: -group_mass[j])[: c.n_sel]
                 recalls.append(len(sel & set(top)) / c.n_sel)
+                at_answer_r.append(ans)
     want_mass, want_recall = sum(shares) / len(shares), sum(recalls) / len(recalls)
     assert 0.2 < want_mass < 0.95 and 0.2 < want_recall < 0.95  # a case where selection is neither perfect nor empty
     assert got["mass"] == pytest.approx(want_mass, abs=1e-6)
     # One block chosen differently moves recall by 1 / (n_sel * groups * rows * B) = 1/240; float32 means agree to 1e-7.
     assert got["recall"] == pytest.approx(want_recall, abs=1e-6)
+    # the same means over the answer rows alone (a third of them, drawn at random)
+    ans_s = [v for v, a in zip(shares, at_answer_s) if a]
+    ans_r = [v for v, a in zip(recalls, at_answer_r) if a]
+    assert 0 < len(ans_r) < len(recalls)
+    assert got["mass_answers"] == pytest.approx(sum(ans_s) / len(ans_s), abs=1e-6)
+    assert got["recall_answers"] == pytest.approx(sum(ans_r) / len(ans_r), abs=1e-6)
+    assert abs(got["mass_answers"] - got["mass"]) > 1e-3  # the subset differs from the whole: the mask is used
+    assert set(probes.selection_quality(layer, x, rows)) == {"mass", "recall"}
+    none = torch.zeros(B, rows, dtype=torch.bool)
+    assert set(probes.selection_quality(layer, x, rows, none)) == {"mass", "recall"}  # no answer among the rows
+    with pytest.raises(ValueError, match=r"answers has shape \(2, 19\), needs \[B, rows\] = \(2, 20\)"):
+        probes.selection_quality(layer, x, rows, answers[:, 1:])
 
 
 def test_selection_quality_rows_must_have_a_choice():
@@ -141,6 +157,23 @@ def test_gate_means():
     assert got["gate_sel"] == pytest.approx((got["gate_sel_l0"] + got["gate_sel_l1"]) / 2)
     gm.active = True
     assert gm.take() == {}  # reset by take
+    # with a mask: also the means over the masked positions alone (two forwards of different masks)
+    masks = [torch.rand(2, 30) < 0.2, torch.rand(2, 30) < 0.5]
+    with torch.no_grad():
+        for x, mk in zip(xs, masks):
+            gm.mask = mk
+            for layer in layers:
+                layer(x)
+    got = gm.take()
+    for i, layer in enumerate(layers):
+        with torch.no_grad():
+            gs = [torch.sigmoid(layer.gate(x)).unflatten(-1, (HQ, 3)) for x in xs]
+        num = sum(g[mk].sum((0, 1)) for g, mk in zip(gs, masks))  # [3]: over masked positions and heads
+        den = sum(int(mk.sum()) * HQ for mk in masks)
+        for j, b in enumerate(("cmp", "sel", "win")):
+            assert got[f"gate_{b}_answers_l{i}"] == pytest.approx(float(num[j]) / den, abs=1e-6)
+            assert got[f"gate_{b}_answers_l{i}"] != pytest.approx(got[f"gate_{b}_l{i}"], abs=1e-4)
+    gm.mask = None
     gm.remove()
     layers[0](xs[0])
     assert gm.take() == {}  # hooks removed

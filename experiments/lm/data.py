@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -70,6 +71,8 @@ class Retrieval:
     """MQAR (see the module docstring). Token ids: values ``[0, n_values)``, keys
     ``[n_values, n_values + n_keys)``, filler after them."""
 
+    # the loss is taken at a few answer positions (the probes also report NSA's gates and selection there)
+    answers_only: ClassVar[bool] = True
     seq_len: int
     n_pairs: int
     n_queries: int
@@ -128,6 +131,8 @@ class Needles:
     reach (``gap``) only the long-range branches can fetch it. Token ids: slot j's values
     ``[j * n_values, (j + 1) * n_values)``, then the slot tokens, then filler."""
 
+    # the loss is taken at a few answer positions (the probes also report NSA's gates and selection there)
+    answers_only: ClassVar[bool] = True
     seq_len: int
     n_slots: int
     n_queries: int
@@ -187,6 +192,8 @@ class Text:
     A split's windows are its non-overlapping ``seq_len + 1``-byte windows; training visits them in
     a fresh permutation every epoch, validation batch i takes windows i*B.. of one fixed permutation."""
 
+    # every position is a target
+    answers_only: ClassVar[bool] = False
     seq_len: int
     val_stride: int = 8
     seed: int = 0

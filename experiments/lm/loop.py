@@ -23,9 +23,11 @@ target positions: the answers of the retrieval task, every next byte of the text
 ``lr``, ``seq_len`` (of the curriculum stage), the memory high-water mark (``peak_mem_gib``: CUDA
 ``max_memory_allocated`` over the interval's training steps; on the CPU ``rss_peak_gib``, the
 process's resident-set high-water mark since it started), and for NSA ``gate_{cmp,sel,win}`` (mean
-over layers, and ``_l<i>`` per layer). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
+over layers, and ``_l<i>`` per layer; on a retrieval task also ``gate_{cmp,sel,win}_answers``, over the
+answer positions alone). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
 ``eval_batches`` held-out batches and, for NSA, ``sel_mass`` / ``sel_recall`` over the last
-``sel_rows`` positions of the first held-out batch (``probes.selection_quality``; ``_l<i>`` per layer).
+``sel_rows`` positions of the first held-out batch (``probes.selection_quality``; ``_l<i>`` per layer;
+on a retrieval task also ``sel_mass_answers`` / ``sel_recall_answers`` over the answer positions among them).
 """
 from __future__ import annotations
 
@@ -265,14 +267,18 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
         tot["correct"] += int(correct)
         tot["n"] += int(n)
         if i == 0:
+            rows = cfg.train.sel_rows
+            answers = (targets != IGNORE)[:, -rows:] if task.answers_only else None
             for j, (layer, x) in enumerate(zip(layers, xs)):
-                q = probes.selection_quality(layer, x, cfg.train.sel_rows)
-                sel[f"sel_mass_l{j}"], sel[f"sel_recall_l{j}"] = q["mass"], q["recall"]
+                q = probes.selection_quality(layer, x, rows, answers)
+                for key, v in q.items():
+                    sel[f"sel_{key}_l{j}"] = v
     model.train()
     out = {"val_loss": tot["loss"], "val_accuracy": tot["correct"] / max(1, tot["n"])}
     if layers:
-        for key in ("sel_mass", "sel_recall"):
-            out[key] = sum(sel[f"{key}_l{j}"] for j in range(len(layers))) / len(layers)
+        for key in ("mass", "recall", "mass_answers", "recall_answers"):
+            if f"sel_{key}_l0" in sel:
+                out[f"sel_{key}"] = sum(sel[f"sel_{key}_l{j}"] for j in range(len(layers))) / len(layers)
         out.update(sel)
     return out
 
@@ -402,6 +408,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
         _, task, batch = stages[stage]
         tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
+        gates.mask = targets != IGNORE if task.answers_only else None
         with autocast():
             loss, correct, n = _loss(model, tokens, targets)
         opt.zero_grad(set_to_none=True)

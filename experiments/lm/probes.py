@@ -2,7 +2,9 @@
 
 * :class:`GateMeans`: a forward hook on each layer's gate MLP (``NSAAttention.gate``, whose output
   the layer maps through a sigmoid to ``[B,T,HQ,3]`` in the order (cmp, sel, win), paper Eq. 5)
-  accumulates the mean gate value per branch on the device, without a host sync per step.
+  accumulates the mean gate value per branch on the device, without a host sync per step; with a
+  ``mask`` ([B,T], the answer positions of a retrieval task) also the mean over those positions alone,
+  where the long-range branches must do their work (over all positions, filler dominates).
 * :func:`selection_quality`: for the last ``rows`` query positions of a sequence, in float32,
   the share of full attention's probability mass that falls inside the blocks the layer selects
   (``mass``), and the recall of the ``n_sel`` blocks full attention weighs most (``recall``).
@@ -27,7 +29,9 @@ class GateMeans:
 
     def __init__(self, layers: list[NSAAttention]):
         self.active = True
+        self.mask = None  # [B,T] bool: the positions of the next forwards whose gates are also averaged apart
         self._sum = [None] * len(layers)
+        self._ans = [None] * len(layers)  # (sum of gates [3], number of positions x heads) at the mask
         self._n = 0
         self._handles = [layer.gate.register_forward_hook(self._hook(i, layer.config.n_heads))
                          for i, layer in enumerate(layers)]
@@ -35,26 +39,41 @@ class GateMeans:
     def _hook(self, i: int, HQ: int):
         def hook(module, args, out):
             if self.active:
-                g = torch.sigmoid(out.detach().float()).unflatten(-1, (HQ, 3)).mean(dim=(0, 1, 2))
-                self._sum[i] = g if self._sum[i] is None else self._sum[i] + g
+                g = torch.sigmoid(out.detach().float()).unflatten(-1, (HQ, 3))  # [B,T,HQ,3]
+                m = g.mean(dim=(0, 1, 2))
+                self._sum[i] = m if self._sum[i] is None else self._sum[i] + m
                 self._n += i == 0
+                if self.mask is not None:
+                    w = self.mask.to(g.dtype)
+                    ans = (torch.einsum("bthc,bt->c", g, w), w.sum() * HQ)
+                    self._ans[i] = ans if self._ans[i] is None else tuple(a + b for a, b in zip(self._ans[i], ans))
         return hook
 
     def take(self) -> dict[str, float]:
-        """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; resets the sums."""
+        """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; where forwards had a mask,
+        ``gate_<branch>_answers`` and ``gate_<branch>_answers_l<i>`` too; resets the sums."""
         if not self._handles or self._n == 0:
             return {}
         per_layer = torch.stack(self._sum).cpu() / self._n  # [layers, 3]
-        self._sum, self._n = [None] * len(self._sum), 0
-        out = {f"gate_{b}": float(per_layer[:, j].mean()) for j, b in enumerate(self.BRANCHES)}
-        out.update({f"gate_{b}_l{i}": float(per_layer[i, j]) for i in range(len(per_layer))
-                    for j, b in enumerate(self.BRANCHES)})
+        out = _per_branch("gate_{}", per_layer, self.BRANCHES)
+        if all(a is not None for a in self._ans):
+            out.update(_per_branch("gate_{}_answers", torch.stack([s / n.clamp(min=1) for s, n in self._ans]).cpu(),
+                                   self.BRANCHES))
+        self._sum, self._ans, self._n = [None] * len(self._sum), [None] * len(self._ans), 0
         return out
 
     def remove(self):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _per_branch(name: str, per_layer: torch.Tensor, branches) -> dict[str, float]:
+    """``name`` per branch, the mean over layers, and ``name_l<i>`` per layer, from ``[layers, 3]``."""
+    out = {name.format(b): float(per_layer[:, j].mean()) for j, b in enumerate(branches)}
+    out.update({f"{name.format(b)}_l{i}": float(per_layer[i, j]) for i in range(len(per_layer))
+                for j, b in enumerate(branches)})
+    return out
 
 
 @contextlib.contextmanager
@@ -122,9 +141,12 @@ def topn_recall(mass, indices, n: int, q_start: int, l_sel: int):
 
 
 @torch.no_grad()
-def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int) -> dict[str, float]:
+def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: torch.Tensor | None = None
+                      ) -> dict[str, float]:
     """``mass`` and ``recall`` (means over batch, the last ``rows`` positions and heads/groups) of
-    ``layer`` on its input ``x [B,T,dim]``, recomputed in float32 with the reference operators.
+    ``layer`` on its input ``x [B,T,dim]``, recomputed in float32 with the reference operators; with
+    ``answers`` (bool ``[B, rows]``: which of those positions are a retrieval task's answers),
+    ``mass_answers`` and ``recall_answers``, the same means over those positions alone.
 
     The blocks are those the reference top-n picks from the float32 compressed scores: a GPU
     backend's bf16 forward picks the same blocks except at near-ties of scores. The layer's
@@ -150,4 +172,11 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int) -> dict[s
         i = idx[:, a:a + step]
         mass.append(mass_in_selected(m, i))
         recall.append(topn_recall(m, i, c.n_sel, r0 + a, c.l_sel))
-    return {"mass": float(torch.cat(mass, 1).mean()), "recall": float(torch.cat(recall, 1).mean())}
+    mass, recall = torch.cat(mass, 1), torch.cat(recall, 1)  # [B,rows,HQ], [B,rows,H]
+    out = {"mass": float(mass.mean()), "recall": float(recall.mean())}
+    if answers is not None:
+        if answers.shape != (B, rows):
+            raise ValueError(f"selection_quality: answers has shape {tuple(answers.shape)}, needs [B, rows] = {(B, rows)}")
+        if answers.any():
+            out["mass_answers"], out["recall_answers"] = float(mass[answers].mean()), float(recall[answers].mean())
+    return out
