@@ -104,7 +104,7 @@ ONE = dict(TILES=None, CU_Q=None, CU_K=None, VARLEN=False)
 DOCS = dict(TILES="*i32", CU_Q="*i32", CU_K="*i32")
 
 
-def cases(dk, dv):
+def cases(dk, dv, arch=90):
     """(name, kernel, constexprs, pointer types, int64 args, launch options[, float args]) as the
     launchers use them."""
     tune = tuning.table("cuda")
@@ -186,39 +186,41 @@ def cases(dk, dv):
                dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), gw)
         yield ("row dot (delta)", rowdot._row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
                dict(A=bf, B=bf, OUT=f32), (), dict(num_warps=4))
-    yield from decode_cases(dk, dv)
+    yield from decode_cases(dk, dv, pdl=arch >= 90)
 
 
-def decode_cases(dk, dv, n_sm=132, max_len=65536):
+def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
     """The decode-step kernels as ``DecodeKernels`` launches them on CUDA (H200: 132 SMs) for
-    ``model=h200bench`` at B=1 and B=64, caches of 64k tokens."""
+    ``model=h200bench`` at B=1 and B=64, caches of 64k tokens; ``pdl``: with programmatic dependent
+    launch (``tuning.decode.pdl``, the default from sm_90)."""
     cfg = NSAConfig(dim=8192, n_heads=64, n_kv_heads=4, d_k=dk, d_v=dv, l=32, d=16, l_sel=64, n_sel=16, w=512)
     H, G = cfg.n_kv_heads, cfg.G
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     for B in (1, 64):
         p = decode.launch_params(cfg, B, max_len, gpu=True, n_sm=n_sm, tune=tuning.params("decode", "cuda"))
-        common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"])
+        common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"], PDL=pdl)
+        launch = dict(launch_pdl=True) if pdl else {}
         yield (f"dec cmp partial B{B}", decode._dec_cmp_partial,
                dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
                     PREC="tf32", COUNT=False, SMALL_DOT=False),
                dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32,
-                    cnt_ptr=i32), (), dict(num_warps=p["warps"]), ("qk_scale",))
+                    cnt_ptr=i32), (), dict(num_warps=p["warps"], **launch), ("qk_scale",))
         yield (f"dec cmp topk B{B}", decode._dec_cmp_topk,
                dict(common, DV=dv, L=cfg.l, D=cfg.d, LS=cfg.l_sel, NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2),
                     N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"],
                     BSEL=p["BSEL"], DO_TOPK=True),
                dict(pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, psum_ptr=f32, ocmp_ptr=f32,
-                    idx_ptr=i32), (), dict(num_warps=p["topk_warps"]), ())
+                    idx_ptr=i32), (), dict(num_warps=p["topk_warps"], **launch), ())
         yield (f"dec sel/win B{B}", decode._dec_sv_partial,
                dict(common, DK=dk, DV=dv, LS=cfg.l_sel, W=cfg.w, N_SEL=cfg.n_sel, NS_SEL=p["ns_sel"],
                     SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
                     NWC=p["nwc"], SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False),
                dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
-                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=p["warps"]), ("qk_scale",))
+                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=p["warps"], **launch), ("qk_scale",))
         yield (f"dec combine B{B}", decode._dec_combine,
                dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP=True, HAS_SEL=True, HAS_WIN=True),
                dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (),
-               dict(num_warps=p["warps"]), ())
+               dict(num_warps=p["warps"], **launch), ())
 
 
 def main():
@@ -234,7 +236,7 @@ def main():
     bad = 0
     print(f"{'kernel':<22} {'Dk':>4} {'compile s':>9} {'shared B':>9} {'regs':>5} {'spill B':>8}")
     for dk in (int(x) for x in a.dk.split(",")):
-        for name, fn, consts, ptrs, i64, opts, *floats in cases(dk, 128):
+        for name, fn, consts, ptrs, i64, opts, *floats in cases(dk, 128, a.arch):
             kw = dict(floats=floats[0]) if floats else {}
             try:
                 sec, smem, regs, spills, ptx = compile_one(fn, consts, ptrs, target, i64, **kw, **opts)
