@@ -200,23 +200,28 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
         p = decode.launch_params(cfg, B, max_len, gpu=True, n_sm=n_sm, tune=tuning.params("decode", "cuda"))
         common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"], PDL=pdl)
         launch = dict(launch_pdl=True) if pdl else {}
-        yield (f"dec cmp partial B{B}", decode._dec_cmp_partial,
-               dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
-                    PREC="tf32", COUNT=False, SMALL_DOT=False),
-               dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32,
-                    cnt_ptr=i32), (), dict(num_warps=p["warps"], **launch), ("qk_scale",))
+        topk = dict(LS=cfg.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local,
+                    BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"])
+        for fuse in (False, True):  # tuning.decode.fuse: the top-n (the combine) in the pass's last program
+            yield (f"dec cmp partial B{B}" + (" fused" if fuse else ""), decode._dec_cmp_partial,
+                   dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
+                        PREC="tf32", COUNT=False, SMALL_DOT=False, FUSE=fuse, **topk),
+                   dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32,
+                        pacc_ptr=f32, cnt_ptr=i32, psum_ptr=f32, ocmp_ptr=f32, idx_ptr=i32, sem_ptr=i32), (),
+                   dict(num_warps=p["warps"], **launch), ("qk_scale",))
         yield (f"dec cmp topk B{B}", decode._dec_cmp_topk,
-               dict(common, DV=dv, L=cfg.l, D=cfg.d, LS=cfg.l_sel, NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2),
-                    N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"],
-                    BSEL=p["BSEL"], DO_TOPK=True),
+               dict(common, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], DO_TOPK=True, **topk),
                dict(pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, psum_ptr=f32, ocmp_ptr=f32,
                     idx_ptr=i32), (), dict(num_warps=p["topk_warps"], **launch), ())
-        yield (f"dec sel/win B{B}", decode._dec_sv_partial,
-               dict(common, DK=dk, DV=dv, LS=cfg.l_sel, W=cfg.w, N_SEL=cfg.n_sel, NS_SEL=p["ns_sel"],
-                    SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
-                    NWC=p["nwc"], SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False),
-               dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
-                    pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (), dict(num_warps=p["warps"], **launch), ("qk_scale",))
+        for fuse in (False, True):
+            yield (f"dec sel/win B{B}" + (" fused" if fuse else ""), decode._dec_sv_partial,
+                   dict(common, DK=dk, DV=dv, LS=cfg.l_sel, W=cfg.w, N_SEL=cfg.n_sel, NS_SEL=p["ns_sel"],
+                        SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
+                        NWC=p["nwc"], SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False,
+                        FUSE=fuse),
+                   dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
+                        pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf, sem_ptr=i32), (),
+                   dict(num_warps=p["warps"], **launch), ("qk_scale",))
         yield (f"dec combine B{B}", decode._dec_combine,
                dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP=True, HAS_SEL=True, HAS_WIN=True),
                dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (),

@@ -55,10 +55,28 @@ CASES = [
      {"block_c": 4, "nsc": 2}),
 ]
 IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
+# tuning.decode.fuse: the top-n and the combine run in the last program of their pass (two launches)
+CASES += [case[:-1] + ({**case[-1], "fuse": True},) for case in CASES]
+IDS += [i + "-fused" for i in IDS]
+
+
+@pytest.fixture
+def unfused_kernels_refused(monkeypatch):
+    """The stand-alone top-n and combine kernels raise if launched: a fused step must not need them."""
+    from nsa.backends.triton import decode as kernels
+
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused step launched a stand-alone top-n or combine kernel")
+
+    monkeypatch.setattr(kernels, "_dec_cmp_topk", Refused())
+    monkeypatch.setattr(kernels, "_dec_combine", Refused())
 
 
 @pytest.mark.parametrize("B,HQ,H,Dk,Dv,P,steps,over,over_tuning", CASES, ids=IDS)
-def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, over_tuning):
+def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, over_tuning, request):
+    if over_tuning.get("fuse"):
+        request.getfixturevalue("unfused_kernels_refused")
     torch.manual_seed(0)
     cfg = _cfg(HQ, H, Dk, Dv, **over)
     m = NSAAttention(cfg).eval()
@@ -86,20 +104,24 @@ def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, 
         # the top-n of the fused kernel equals the reference's (ties to the lower index, forcing)
         _, idx = _reference_branches(cfg, cref, dec.last["q"], t)
         assert torch.equal(dec.indices(), idx), f"t={t}: {dec.indices().tolist()} vs {idx.tolist()}"
+    assert p["fuse"] is bool(over_tuning.get("fuse")) and not dec._kernels.sem.any()  # counts back at zero
     # emitted compressed tokens equal the module's (the scratch row took the non-emitting steps)
     nc = cfg.n_cmp(T)
     torch.testing.assert_close(cache.k_cmp[:, :nc], cref.k_cmp[:, :nc], **TOL)
     torch.testing.assert_close(cache.v_cmp[:, :nc], cref.v_cmp[:, :nc], **TOL)
 
 
-def test_forced_branches_and_token_counts():
+@pytest.mark.parametrize("fuse", [False, True], ids=["four-launches", "fused"])
+def test_forced_branches_and_token_counts(fuse):
+    """One branch at a time (the four-kernel path, whatever fuse says) adds up to the whole step, and
+    the kernels' token counters agree with a count from the indices."""
     torch.manual_seed(1)
     cfg = _cfg(4, 2, 16, 16, n_sel=3, n_local=1)
     m = NSAAttention(cfg).eval()
     B, T = 2, 46
     x = torch.randn(B, T, cfg.dim) * 2
     cache = m.new_cache(B, T)
-    with tuning.overrides({"decode": {"block_c": 4, "nsc": 2}}):
+    with tuning.overrides({"decode": {"block_c": 4, "nsc": 2, "fuse": fuse}}):
         dec = GraphDecoder(m, cache)
     dec.prefill(x[:, :T - 1])
     t = T - 1

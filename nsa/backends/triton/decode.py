@@ -22,6 +22,10 @@ programs are launched while the previous kernel runs and wait for it (``griddepc
 reading anything, so no launch latency lies between them; outputs are bit-identical to serial launches
 (tests/test_decode_gpu.py).
 
+With ``tuning.decode.fuse`` (off by default: not yet timed on a GPU) the whole step takes two launches:
+the program of a group that finishes its pass last (an atomic count per group, released and acquired
+at GPU scope) runs step 2 after step 1, and step 4 after step 3, itself.
+
 Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
 ``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
 
@@ -37,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...dispatch import BRANCHES
 from . import tuning
 from .utils import DOT_MIN, LOG2E, default_scale, dot_precision, p2, poisoning
 
@@ -72,12 +77,18 @@ def _group_rows(x_ptr, b, h, stride_b, stride_h, offs_g, offs_d, gmask, G: tl.co
 
 @triton.jit
 def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+                     psum_ptr, ocmp_ptr, idx_ptr, sem_ptr,
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      qk_scale, TCS,
                      H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      L: tl.constexpr, D: tl.constexpr, NSC: tl.constexpr,
                      BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr,
-                     PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr, PDL: tl.constexpr):
+                     PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr, PDL: tl.constexpr,
+                     LS: tl.constexpr, NSC_PAD: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr,
+                     N_LOCAL: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
+                     FUSE: tl.constexpr):
+    # FUSE: the last of a group's NSC programs to finish runs the top-n step (_cmp_topk) itself, so the
+    # step needs no launch of _dec_cmp_topk; the arguments after PDL serve only it.
     _pdl_enter(PDL)
     # SMALL_DOT: BLOCK_C is below the tl.dot minimum of the running triton (16 on triton 3.0, even
     # under the interpreter); the two products are then broadcast-multiply-sums in fp32.
@@ -130,6 +141,16 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
     tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + 0, tl.maximum(c1 - c0, 0))
+    if FUSE:
+        # Every thread's stores above are issued (barrier), then released with the count (acq_rel, GPU
+        # scope); the program that counts last acquires all NSC programs' partials and scores.
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done == NSC - 1:
+            tl.store(sem_ptr + bh, 0)  # zero again for the next step (a later launch)
+            _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS, H, G, DV, L, D,
+                      LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, BLOCK_T, NB_PAD, BSEL, True)
 
 
 @triton.jit
@@ -140,7 +161,18 @@ def _dec_cmp_topk(pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
                   BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
                   BSEL: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
-    bh = tl.program_id(0).to(tl.int64)
+    _cmp_topk(tl.program_id(0).to(tl.int64), pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr,
+              TCS, H, G, DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, BLOCK_T, NB_PAD, BSEL, DO_TOPK)
+
+
+@triton.jit
+def _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
+              H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+              L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
+              N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+              BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
+              BSEL: tl.constexpr, DO_TOPK: tl.constexpr):
+    """Group bh's compressed output from the NSC split partials, and (DO_TOPK) its top-n blocks."""
     t = tl.load(pos_ptr).to(tl.int32)
     n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
     offs_g = tl.arange(0, BG)
@@ -214,6 +246,7 @@ def _dec_cmp_topk(pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
 
 @triton.jit
 def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+                    ocmp_ptr, g_ptr, out_ptr, sem_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                     stride_qb, stride_qh,
                     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                     stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh,
@@ -223,9 +256,11 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
                     NS_SEL: tl.constexpr, SEL_PER: tl.constexpr, SEL_VEC: tl.constexpr, NS_TOT: tl.constexpr,
                     WIN_PER: tl.constexpr, NWC: tl.constexpr, SPLIT_OFF: tl.constexpr,
                     BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLS: tl.constexpr, BW: tl.constexpr,
-                    PREC: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr):
+                    PREC: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr, FUSE: tl.constexpr):
     """Splits 0..NS_SEL-1: SEL_PER selected blocks each (SEL_VEC per tile); the rest: WIN_PER
-    window tiles of BW tokens each. Tiles of either kind are NT = max(SEL_VEC*BLS, BW) wide."""
+    window tiles of BW tokens each. Tiles of either kind are NT = max(SEL_VEC*BLS, BW) wide.
+    FUSE (every split launched): the last of a group's NS_TOT programs to finish writes the group's
+    gated output (_combine), so the step needs no launch of _dec_combine; ocmp .. stride_oh serve it."""
     _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1) + SPLIT_OFF
@@ -288,6 +323,14 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
     tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + tl.where(is_sel, 1, 2), n_read)
+    if FUSE:  # as in _dec_cmp_partial
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done == NS_TOT - 1:
+            tl.store(sem_ptr + bh, 0)
+            _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
+                     H, G, DV, NS_SEL, NS_TOT, True, True, True, BG, BDV)
 
 
 @triton.jit
@@ -316,7 +359,15 @@ def _dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
                  BG: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
     """o = g_cmp * o_cmp + g_sel * combine(sel partials) + g_win * combine(win partials)."""
     _pdl_enter(PDL)
-    bh = tl.program_id(0).to(tl.int64)
+    _combine(tl.program_id(0).to(tl.int64), pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
+             stride_ob, stride_oh, H, G, DV, NS_SEL, NS_TOT, HAS_CMP, HAS_SEL, HAS_WIN, BG, BDV)
+
+
+@triton.jit
+def _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
+             H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, NS_SEL: tl.constexpr, NS_TOT: tl.constexpr,
+             HAS_CMP: tl.constexpr, HAS_SEL: tl.constexpr, HAS_WIN: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr):
+    """Group bh's gated output from o_cmp and the sel / win split partials."""
     b = bh // H
     h = bh % H
     offs_g = tl.arange(0, BG)
@@ -372,7 +423,8 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
     elif pdl and not (gpu and pdl_supported(device)):
         raise ValueError("tuning.decode.pdl=True: programmatic dependent launch needs a CUDA GPU of sm_90 or later "
                          f"and triton >= 3.4 (here: {'triton without gdc' if not HAS_GDC else 'no such GPU'})")
-    return dict(pdl=pdl, BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS, block_c=block_c, nsc=nsc,
+    return dict(pdl=pdl, fuse=tune["fuse"], BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
+                block_c=block_c, nsc=nsc,
                 NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2), BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc,
                 sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per), win_per=win_per, ns_sel=ns_sel,
                 ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"], topk_warps=tune["topk_warps"],
@@ -408,6 +460,7 @@ class DecodeKernels:
         self.sacc = torch.empty(BH, p["ns_tot"], p["BG"], p["BDV"], **f32)
         self.indices = torch.full((B, H, c.n_sel), -1, device=device, dtype=torch.int32)
         self.counts = torch.zeros(BH, 3, device=device, dtype=torch.int32)
+        self.sem = torch.zeros(2, BH, device=device, dtype=torch.int32)  # fused steps: programs done per group
         self.out = torch.empty(B, c.n_heads, c.d_v, device=device, dtype=dtype)
 
     # ------------------------------------------------------------------------------------------
@@ -435,35 +488,43 @@ class DecodeKernels:
             self.out.fill_(float("nan"))
         if count:
             self.counts.zero_()
+        # The whole step with fuse: two launches (the top-n and the combine run in the last program of
+        # the compressed pass and of the sel/win pass); timing a part alone takes the four-kernel path.
+        fuse = p["fuse"] and set(branches) == set(BRANCHES) and combine and topk and \
+            (combine_branches is None or set(combine_branches) == set(BRANCHES))
+        topk_args = dict(LS=c.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
+                         BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"])
         if "cmp" in branches:
             _dec_cmp_partial[(BH, p["nsc"])](
                 q, k_cmp, v_cmp, pos, self.scores, self.cm, self.cl, self.cacc, self.counts,
+                self.psum, self.o_cmp, self.indices, self.sem[0],
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
                 v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), qk, p["TCS"],
                 H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"],
                 BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], BLOCK_C=p["block_c"], PREC=self.prec, COUNT=count,
-                SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, **pdl)
-            _dec_cmp_topk[(BH,)](
-                pos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
-                H=H, G=G, DV=c.d_v, L=c.l, D=c.d, LS=c.l_sel, NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2),
-                N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
-                BG=p["BG"], BDV=p["BDV"], BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"],
-                BSEL=p["BSEL"], DO_TOPK=topk, num_warps=p["topk_warps"], **pdl)
+                SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, FUSE=fuse, **topk_args, **pdl)
+            if not fuse:
+                _dec_cmp_topk[(BH,)](
+                    pos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
+                    H=H, G=G, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"], BG=p["BG"], BDV=p["BDV"], DO_TOPK=topk,
+                    num_warps=p["topk_warps"], **topk_args, **pdl)
         has_sel, has_win = "sel" in branches, "win" in branches
         if has_sel or has_win:
             off = 0 if has_sel else p["ns_sel"]
             n = (p["ns_sel"] if has_sel else 0) + (p["ns_win"] if has_win else 0)
             _dec_sv_partial[(BH, n)](
                 q, k_sel, v_sel, k_win, v_win, self.indices, pos, self.sm, self.sl, self.sacc, self.counts,
+                self.o_cmp, gates, self.out, self.sem[1],
+                gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
                 q.stride(0), q.stride(1),
                 k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), v_sel.stride(0), v_sel.stride(1), v_sel.stride(2),
                 k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
                 qk, H=H, G=G, DK=c.d_k, DV=c.d_v, LS=c.l_sel, W=c.w, N_SEL=c.n_sel,
                 NS_SEL=p["ns_sel"], SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"],
                 WIN_PER=p["win_per"], NWC=p["nwc"], SPLIT_OFF=off, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
-                BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw, **pdl)
+                BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw, FUSE=fuse, **pdl)
         cb = branches if combine_branches is None else combine_branches
-        if combine:
+        if combine and not fuse:
             _dec_combine[(BH,)](
                 self.sm, self.sl, self.sacc, self.o_cmp, gates, self.out,
                 gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),

@@ -87,6 +87,7 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "topk_warps": (int, "warps of the combine + top-n kernel"),
         "block_t": (int, "compressed tokens per step of the top-n kernel's Eq. 10 sum"),
         "pdl": (bool, "programmatic dependent launch between the step's kernels; None: where supported (sm_90+)"),
+        "fuse": (bool, "two launches per step: the top-n and the combine in the last program of their pass"),
     },
 }
 
@@ -106,7 +107,7 @@ _CUDA = {
                       part_bytes_max=8 << 30),
     "gate": dict(rows=16, warps=4),
     "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
-                   block_t=256, pdl=None),
+                   block_t=256, pdl=None, fuse=False),
 }
 
 # The interpreter runs programs one after another: tests want small tiles (borders crossed at tiny
@@ -118,7 +119,7 @@ _INTERPRET = {
     "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4),
     "topn": dict(elems=2048, warps=4),
     "decode": dict(block_c=16, nsc=None, bw=None, sel_per=None, sel_vec=None, win_per=None, warps=4, topk_warps=4,
-                   block_t=16, pdl=False),
+                   block_t=16, pdl=False, fuse=False),
 }
 
 TABLES: dict[str, dict[str, dict[str, Any]]] = {"cuda": _CUDA, "interpret": _INTERPRET}
