@@ -8,7 +8,8 @@
 #                                             STEPS=kernels OPS=selection,compressed KERNELS_ARGS=... the ops;
 #                                             STEPS=validate [HW=h200|h100] experiments.validate, its report in
 #                                             $OUT/validate; STEPS=diag: scripts/gpu_diag.py sel, compile, varlen;
-#                                             STEPS=train [TRAIN=needles32k ATTN=nsa,dense] experiments.train)
+#                                             STEPS=train [TRAIN=needles32k ATTN=nsa,dense] experiments.train;
+#                                             STEPS=groups: whole NSA prefill at G = 1, 2, 4, 8, 16)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -33,6 +34,10 @@ has validate && run "${T_VALIDATE:-560}" -m experiments.validate hardware="$HW" 
     ${VALIDATE_ARGS:-}
 has train && run "${T_TRAIN:-570}" -m experiments.train hardware="$HW" train="${TRAIN:-needles32k}" "$TRK" \
     -m attention="${ATTN:-nsa,dense}" ${TRAIN_ARGS:-}
+# the small-group table: whole NSA at HQ=64 on H = 64..4 key/value heads (G = 1..16), one process per job
+has groups && run "${T_GROUPS:-420}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" \
+    seq="${GROUP_SEQS:-16384,65536}" model.nsa.n_kv_heads=64,32,16,8,4 prefill.per_branch=false \
+    prefill.dense_flash=false "prefill.peers=[]" model.timing.warmup=2 model.timing.repeats=8
 for part in sel compile varlen; do has diag && run "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
 has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" --exclude="*.pt" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive (no checkpoints)
