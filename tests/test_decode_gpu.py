@@ -8,8 +8,9 @@ PDL lets each kernel start launching while the one before it still runs; every k
 program within one launch through a release/acquire count. A read too early in either would differ
 between replays, or from the serial launch, at some position if not at all. So: every replay at a
 position is bit-identical to the others and to the eager call; PDL is bit-identical to serial; fused
-picks the same blocks and differs from serial only by the rounding of its sums (fewer warps reduce
-them); each matches the reference branches.
+differs from serial only by the rounding of its sums (fewer warps reduce them), which may flip a
+near-tie of the top-n (at most 1e-3 of the slots, as in the kernel tests); each matches the reference
+branches.
 
 Marked ``gpu`` (tests/conftest.py deselects it without CUDA). Its CPU twin, the same kernels under the
 interpreter, is tests/test_decode_gpu_path.py.
@@ -95,5 +96,7 @@ def test_launch_modes_agree_replay_after_replay_and_match_the_reference(B, S, G)
         del dec, cache
     for (t, o0, i0), (_, o1, i1), (_, o2, i2) in zip(outs["serial"], outs["pdl"], outs["fused"]):
         assert torch.equal(i0, i1) and torch.equal(o0, o1), f"t={t}: PDL changed the step"
-        assert torch.equal(i0, i2), f"t={t}: the fused step selected other blocks"
+        # the fused top-n sums the group's probabilities with fewer warps: a near-tie may flip (kernel tests: 1e-3)
+        mismatch = (i0 != i2).float().mean().item()
+        assert mismatch <= 1e-3, f"t={t}: the fused step selected other blocks in {mismatch:.2%} of the slots"
         assert _rel(o2, o0) <= 1e-3, f"t={t}: fused vs serial rel-L2 {_rel(o2, o0):.3g}"
