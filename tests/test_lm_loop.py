@@ -63,6 +63,25 @@ def test_metrics_per_variant(tmp_path, attention):
         assert all(0 < m[k] < 1 for k in nsa | selection)
 
 
+def test_gates_open_steps_hold_the_gates_at_one_then_free_them(tmp_path):
+    cfg = run_config("train.steps=4", "train.log_every=1", "train.eval_every=4", "train.ckpt_every=4",
+                     "train.gates_open_steps=2", *TINY_RETRIEVAL)
+    _, logged = run(cfg, tmp_path)
+    gate_keys = [k for k in logged[0][1] if k.startswith("gate_")]
+    assert len(gate_keys) == 18  # 3 branches x (all, answers) x (mean, 2 layers)
+    for step, m in logged[:2]:
+        assert all(m[k] == 1.0 for k in gate_keys), (step, m)
+    for step, m in logged[2:]:
+        assert all(0 < m[k] < 1 for k in gate_keys), (step, m)
+
+
+@pytest.mark.parametrize("attention", ["dense", "window"])
+def test_gates_open_steps_is_a_no_op_without_gates(tmp_path, attention):
+    out, logged = run(run_config(f"attention={attention}", "train.steps=2", "train.eval_every=2", "train.ckpt_every=2",
+                                 "train.gates_open_steps=2", *TINY_RETRIEVAL), tmp_path)
+    assert out["completed"] and not [k for _, m in logged for k in m if k.startswith("gate_")]
+
+
 def test_time_limit_stops_at_a_checkpoint_and_resumes(tmp_path):
     cfg = run_config("train.steps=6", "train.time_limit_s=1e-9", *TINY_RETRIEVAL)
     out, first = run(cfg, tmp_path)
@@ -98,6 +117,7 @@ def test_curriculum_switches_stages(tmp_path):
     (["train.curriculum=[{steps: 1, batch: 1, data: {seq_len: 8}}]"], r"train.curriculum\[0\]: data.seq_len=8: too short"),
     (["+train.colour=red"], r"train: unknown key\(s\) \['colour'\]"),
     (["train.lr=fast"], r"train.lr='fast': must be a number"),
+    (["train.gates_open_steps=-1"], r"train.gates_open_steps=-1: must be an integer >= 0"),
     (["attention.kind=sparse"], r"attention.kind='sparse'"),
     (["dtype=float16"], r"dtype='float16': training runs in one of"),
     (["dtype=bfloat16"], r"backend.cmp=reference: NSA's reference backend does not run under bfloat16 autocast"),

@@ -177,3 +177,29 @@ def test_gate_means():
     gm.remove()
     layers[0](xs[0])
     assert gm.take() == {}  # hooks removed
+
+
+def test_hold_gates_open():
+    """Active: the layer's output is the one with every gate at 1, and its gate MLP gets no gradient;
+    inactive or removed: the layer's own gates."""
+    layer = _layer(2)
+    c = layer.config
+    x = torch.randn(2, 30, 24, generator=torch.Generator().manual_seed(4))
+    held = probes.HoldGatesOpen([layer])
+    q, kv, gates = layer._project(x, torch.arange(30))
+    assert gates.detach().mean() < 0.9  # its own gates are not all open
+    k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    branches = (q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
+    ones = layer.o_proj(functional.nsa_attention(*branches, torch.ones_like(gates), c).flatten(2))
+    own = layer.o_proj(functional.nsa_attention(*branches, gates, c).flatten(2))
+    torch.testing.assert_close(layer(x), own, rtol=0, atol=0)
+    held.active = True
+    y = layer(x)
+    torch.testing.assert_close(y, ones, rtol=0, atol=0)
+    assert (y - own).abs().max() > 1e-3  # holding them open changes the output
+    layer.zero_grad(set_to_none=True)
+    y.square().sum().backward()
+    assert all(p.grad is None for p in layer.gate.parameters())
+    assert layer.q_proj.weight.grad is not None and layer.q_proj.weight.grad.abs().sum() > 0
+    held.remove()
+    torch.testing.assert_close(layer(x), own, rtol=0, atol=0)

@@ -24,10 +24,11 @@ target positions: the answers of the retrieval task, every next byte of the text
 ``max_memory_allocated`` over the interval's training steps; on the CPU ``rss_peak_gib``, the
 process's resident-set high-water mark since it started), and for NSA ``gate_{cmp,sel,win}`` (mean
 over layers, and ``_l<i>`` per layer; on a retrieval task also ``gate_{cmp,sel,win}_answers``, over the
-answer positions alone). Every ``eval_every`` steps: ``val_loss`` / ``val_accuracy`` over
-``eval_batches`` held-out batches and, for NSA, ``sel_mass`` / ``sel_recall`` over the last
-``sel_rows`` positions of the first held-out batch (``probes.selection_quality``; ``_l<i>`` per layer;
-on a retrieval task also ``sel_mass_answers`` / ``sel_recall_answers`` over the answer positions among them).
+answer positions alone; 1.0 while ``gates_open_steps`` holds them open). Every ``eval_every`` steps:
+``val_loss`` / ``val_accuracy`` over ``eval_batches`` held-out batches and, for NSA, ``sel_mass`` /
+``sel_recall`` over the last ``sel_rows`` positions of the first held-out batch
+(``probes.selection_quality``; ``_l<i>`` per layer; on a retrieval task also ``sel_mass_answers`` /
+``sel_recall_answers`` over the answer positions among them).
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ class TrainConfig:
     eval_batches: int = 1  # 0: no evaluation
     ckpt_every: int = 100
     sel_rows: int = 64
+    # NSA only: for the first this many steps every gate is held at 1 (the gate MLP's output replaced, so it
+    # learns nothing then) and each branch gets its whole gradient, where free gates close on attention
+    # that does not help yet (BENCHMARKS.md "Training at 32k"). 0: the gates are free from the start.
+    gates_open_steps: int = 0
     time_limit_s: float | None = None  # stop (checkpointed, resumable) at the first log step past it
     # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
     # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
@@ -77,7 +82,7 @@ class TrainConfig:
     def __post_init__(self):
         for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
             _int(f"train.{f}", getattr(self, f), 1)
-        for f in ("warmup", "eval_batches"):
+        for f in ("warmup", "eval_batches", "gates_open_steps"):
             _int(f"train.{f}", getattr(self, f), 0)
         for f in ("eval_every", "ckpt_every"):
             if getattr(self, f) % self.log_every:
@@ -396,6 +401,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         step, position = 0, 0
         _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
     del state
+    held = probes.HoldGatesOpen(model.nsa_layers())  # before GateMeans: its hook sees the gates the layer uses
     gates = probes.GateMeans(model.nsa_layers())
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     last_metrics, completed, t_start = {}, True, time.perf_counter()
@@ -409,6 +415,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         _, task, batch = stages[stage]
         tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
         gates.mask = targets != IGNORE if task.answers_only else None
+        held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
         with autocast():
             loss, correct, n = _loss(model, tokens, targets)
         opt.zero_grad(set_to_none=True)
@@ -435,4 +442,5 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
             break
         window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
     gates.remove()
+    held.remove()
     return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model)}

@@ -5,6 +5,7 @@
   accumulates the mean gate value per branch on the device, without a host sync per step; with a
   ``mask`` ([B,T], the answer positions of a retrieval task) also the mean over those positions alone,
   where the long-range branches must do their work (over all positions, filler dominates).
+* :class:`HoldGatesOpen`: a forward hook that holds every gate at 1 while active (``train.gates_open_steps``).
 * :func:`selection_quality`: for the last ``rows`` query positions of a sequence, in float32,
   the share of full attention's probability mass that falls inside the blocks the layer selects
   (``mass``), and the recall of the ``n_sel`` blocks full attention weighs most (``recall``).
@@ -61,6 +62,25 @@ class GateMeans:
                                    self.BRANCHES))
         self._sum, self._ans, self._n = [None] * len(self._sum), [None] * len(self._ans), 0
         return out
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class HoldGatesOpen:
+    """While ``active``, each layer's gates are 1: a forward hook replaces the gate MLP's output (Eq. 5's
+    pre-sigmoid logits) with a constant whose sigmoid is 1 in float32, so no gradient reaches the MLP."""
+
+    OPEN = 30.0  # sigmoid(30) = 1 - 9.4e-14: 1.0 in float32 and bfloat16
+
+    def __init__(self, layers: list[NSAAttention]):
+        self.active = False
+        self._handles = [layer.gate.register_forward_hook(self._hook) for layer in layers]
+
+    def _hook(self, module, args, out):
+        return torch.full_like(out, self.OPEN) if self.active else None
 
     def remove(self):
         for h in self._handles:
