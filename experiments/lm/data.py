@@ -66,13 +66,31 @@ def _ask(tok: torch.Tensor, g: torch.Generator, cues: torch.Tensor, answers: tor
     return tgt
 
 
-@dataclass(frozen=True)
-class Retrieval:
-    """MQAR (see the module docstring). Token ids: values ``[0, n_values)``, keys
-    ``[n_values, n_values + n_keys)``, filler after them."""
+class _Lookup:
+    """What the lookup tasks share: ``n_queries`` questions in the last ``2 * n_queries`` tokens (``_ask``),
+    ``gap`` tokens before them, and what they ask about in the ``context`` tokens before the gap."""
 
     # the loss is taken at a few answer positions (the probes also report NSA's gates and selection there)
     answers_only: ClassVar[bool] = True
+
+    @property
+    def context(self) -> int:
+        """Tokens before the gap: where the task hides what it asks about."""
+        return self.seq_len - 2 * self.n_queries - self.gap
+
+    def _check_room(self, tokens: int, what: str):
+        """``tokens`` tokens must fit in ``context``; else a one-line error naming ``what`` they hold."""
+        if self.context < tokens:
+            need = tokens + 2 * self.n_queries + self.gap
+            raise ValueError(f"data.seq_len={self.seq_len}: too short for {what}, the gap of {self.gap} "
+                             f"and {self.n_queries} queries (needs >= {need})")
+
+
+@dataclass(frozen=True)
+class Retrieval(_Lookup):
+    """MQAR (see the module docstring). Token ids: values ``[0, n_values)``, keys
+    ``[n_values, n_values + n_keys)``, filler after them."""
+
     seq_len: int
     n_pairs: int
     n_queries: int
@@ -90,19 +108,11 @@ class Retrieval:
             raise ValueError(f"data.n_pairs={self.n_pairs}: must be <= n_keys={self.n_keys} (keys are distinct)")
         if self.n_queries > self.n_pairs:
             raise ValueError(f"data.n_queries={self.n_queries}: must be <= n_pairs={self.n_pairs}")
-        if self.context < 2 * self.n_pairs:
-            need = 2 * self.n_pairs + 2 * self.n_queries + self.gap
-            raise ValueError(f"data.seq_len={self.seq_len}: too short for {self.n_pairs} pairs, the gap of {self.gap} "
-                             f"and {self.n_queries} queries (needs >= {need})")
+        self._check_room(2 * self.n_pairs, f"{self.n_pairs} pairs")  # the pairs lie in [0, context)
 
     @property
     def vocab_size(self) -> int:
         return self.n_values + self.n_keys + self.n_filler
-
-    @property
-    def context(self) -> int:
-        """Tokens before the gap: the pairs lie in ``[0, context)``."""
-        return self.seq_len - 2 * self.n_queries - self.gap
 
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)
@@ -120,7 +130,7 @@ class Retrieval:
 
 
 @dataclass(frozen=True)
-class Needles:
+class Needles(_Lookup):
     """Multi-needle retrieval (single hop; RULER's multi-key needle-in-a-haystack, Hsieh et al. 2024, in
     its simplest form). Each of ``n_slots`` slots owns ``n_values`` value tokens; every sequence hides one
     value of each slot (the needle) at a random position among filler tokens; the last ``2 * n_queries``
@@ -131,8 +141,6 @@ class Needles:
     reach (``gap``) only the long-range branches can fetch it. Token ids: slot j's values
     ``[j * n_values, (j + 1) * n_values)``, then the slot tokens, then filler."""
 
-    # the loss is taken at a few answer positions (the probes also report NSA's gates and selection there)
-    answers_only: ClassVar[bool] = True
     seq_len: int
     n_slots: int
     n_queries: int
@@ -147,19 +155,11 @@ class Needles:
         _int_at_least("data.gap", self.gap, 0)
         if self.n_queries > self.n_slots:
             raise ValueError(f"data.n_queries={self.n_queries}: must be <= n_slots={self.n_slots}")
-        if self.context < self.n_slots:
-            need = self.n_slots + 2 * self.n_queries + self.gap
-            raise ValueError(f"data.seq_len={self.seq_len}: too short for {self.n_slots} needles, the gap of {self.gap} "
-                             f"and {self.n_queries} queries (needs >= {need})")
+        self._check_room(self.n_slots, f"{self.n_slots} needles")  # the needles lie in [0, context)
 
     @property
     def vocab_size(self) -> int:
         return self.n_slots * (self.n_values + 1) + self.n_filler
-
-    @property
-    def context(self) -> int:
-        """Tokens before the gap: the needles lie in ``[0, context)``."""
-        return self.seq_len - 2 * self.n_queries - self.gap
 
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)
