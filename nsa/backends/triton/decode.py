@@ -66,6 +66,20 @@ def _pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def _last_to_arrive(count_ptr, N: tl.constexpr):
+    """True in the last of the N programs sharing ``count_ptr`` to get here (which zeroes it again for
+    the next launch). Every thread's stores before the call are issued (barrier), then released with
+    the count (acq_rel, GPU scope); the last program so acquires the stores of all N."""
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    last = done == N - 1
+    if last:
+        tl.store(count_ptr, 0)
+    return last
+
+
 # Few nested @triton.jit calls, none inside loops: the interpreter (CPU tests) re-patches
 # triton.language on every one.
 @triton.jit
@@ -142,13 +156,7 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + 0, tl.maximum(c1 - c0, 0))
     if FUSE:
-        # Every thread's stores above are issued (barrier), then released with the count (acq_rel, GPU
-        # scope); the program that counts last acquires all NSC programs' partials and scores.
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if done == NSC - 1:
-            tl.store(sem_ptr + bh, 0)  # zero again for the next step (a later launch)
+        if _last_to_arrive(sem_ptr + bh, NSC):
             _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS, H, G, DV, L, D,
                       LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, BLOCK_T, NB_PAD, BSEL, True)
 
@@ -323,12 +331,8 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
     tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + tl.where(is_sel, 1, 2), n_read)
-    if FUSE:  # as in _dec_cmp_partial
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if done == NS_TOT - 1:
-            tl.store(sem_ptr + bh, 0)
+    if FUSE:
+        if _last_to_arrive(sem_ptr + bh, NS_TOT):
             _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                      H, G, DV, NS_SEL, NS_TOT, True, True, True, BG, BDV)
 
