@@ -94,8 +94,8 @@ def work(job: Job) -> Result:
         if use_decoder:
             # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
             dec = GraphDecoder(layer, cache)
-            tags["decode_pdl"] = str(dec.kernel_params()["pdl"])  # programmatic dependent launch between kernels
-            tags["decode_fuse"] = str(dec.kernel_params()["fuse"])  # two launches per step instead of four
+            # programmatic dependent launch between the kernels; two launches per step instead of four
+            tags.update({f"decode_{k}": str(dec.kernel_params()[k]) for k in ("pdl", "fuse")})
             forced = BRANCHES if branch == "none" else (branch,)
             times = {"layer": time_step(lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
         else:

@@ -78,8 +78,8 @@ def decoder(b: Bench):
 def timed(b: Bench) -> None:
     c, B, S = b.c, b.B, b.T
     m, cache, dec, q, g = decoder(b)
-    b.tags["decode_pdl"] = str(dec.kernel_params()["pdl"])  # programmatic dependent launch between kernels
-    b.tags["decode_fuse"] = str(dec.kernel_params()["fuse"])  # two launches per step instead of four
+    # programmatic dependent launch between the kernels; two launches per step instead of four
+    b.tags.update({f"decode_{k}": str(dec.kernel_params()[k]) for k in ("pdl", "fuse")})
     xs = b.randn(B, 1, c.dim)
     with torch.no_grad():
         dec.attend(q, g, position=S - 1, count=True)  # the top-n the sel row reads; the kernels' counts
