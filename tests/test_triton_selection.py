@@ -119,11 +119,14 @@ def test_selected_attention_matches_reference(case, dtype, mode):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("mode", ["query", "block"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
-def test_dq_partials_in_row_chunks(varlen):
-    """dq per slot written in row chunks (partials over ``part_bytes_max``, as at long T with Dk > 128):
-    each chunk's plan names rows of the whole tensor and its partials are stored from its first row,
-    so the gradients equal the reference's (a chunk offset off by one row moves dq and dK)."""
+def test_partials_in_row_chunks(varlen, mode):
+    """Per-slot partials over ``part_bytes_max`` (long T): the block-outer kernels run in row chunks,
+    dq per slot after a query-outer forward (as with Dk > 128), and with mode=block the forward's
+    partial outputs too. Each chunk's plan names rows of the whole tensor and its partials are stored
+    from its first row, so output and gradients equal the reference's (a chunk offset off by one row
+    moves o, dq and dK)."""
     cfg = _config(8, 2, 24, 16, 16, 3)  # Dk 24: part row = HQ * n_sel * Dk * 4 bytes = 2304
     g = torch.Generator().manual_seed(11)
     lens = [37, 5, 30] if varlen else [72]
@@ -140,8 +143,8 @@ def test_dq_partials_in_row_chunks(varlen):
         calls.append(kw.get("row0", 0))
         return plan(*a, **kw)
 
-    def fn(q, k, v, i):  # 7 rows per chunk: chunks start inside documents and end at N
-        with tuning.overrides({"selection": {"mode": "query", "dq_part": True, "part_bytes_max": 7 * 2304}}):
+    def fn(q, k, v, i):  # backward: 7 rows per chunk (forward: 10); chunks start inside documents, end at N
+        with tuning.overrides({"selection": {"mode": mode, "dq_part": True, "part_bytes_max": 7 * 2304}}):
             return selection.selected_attention(q[None], k[None], v[None], i[None], cfg,
                                                 varlen=Varlen(cu) if varlen else None)[0]
 
@@ -155,7 +158,34 @@ def test_dq_partials_in_row_chunks(varlen):
         _check(fn, cfg, 0, [q, k, v], w, idx, torch.float32, ref_fn=ref)
     finally:
         selection._block_outer_plan = plan
-    assert calls == list(range(0, N, 7)), calls
+    # forward partials: HQ * n_sel * Dv * 4 = 1536 bytes a row, 10 rows a chunk; backward 7
+    assert calls == (list(range(0, N, 10)) if mode == "block" else []) + list(range(0, N, 7)), calls
+
+
+@pytest.mark.parametrize("row0", [0, 13])
+def test_block_outer_plan_lists_every_entry_once(row0):
+    """The inverted index: every valid (row, head, slot) entry once, in the work items of its (sequence,
+    head, block) segment, rows ascending inside a segment, at most chunk_rows // G entries an item, and
+    the items in segment order; -1 and out-of-range blocks left out. ``row0``: a chunk's rows."""
+    g = torch.Generator().manual_seed(row0)
+    H, NB, n_sel, G, chunk_rows = 3, 7, 4, 2, 10
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    lay = selection._Layout(cu, cu, torch.cat([torch.zeros(20), torch.ones(30)]).to(torch.int32), 0, NB)
+    idx = torch.randint(-1, NB + 1, (50 - row0, H, n_sel), generator=g, dtype=torch.int32)
+    plan = selection._block_outer_plan(idx, lay, H, G, chunk_rows, row0=row0)
+    seen, last_key = [], -1
+    for it in range(plan["n_items"]):
+        key, a, b = (int(plan[k][it]) for k in ("item_key", "item_start", "item_end"))
+        assert key >= last_key and 0 < b - a <= chunk_rows // G
+        last_key = key
+        rows = plan["ent_row"][a:b].tolist()
+        assert rows == sorted(rows)
+        seq, h, j = key // (NB * H), key // NB % H, key % NB
+        for r, sl in zip(rows, plan["ent_slot"][a:b].tolist()):
+            assert int(lay.row_seq[r]) == seq and int(idx[r - row0, h, sl]) == j
+            seen.append((r, h, sl))
+    want = [(r + row0, h, sl) for r, h, sl in ((idx >= 0) & (idx < NB)).nonzero().tolist()]
+    assert sorted(seen) == sorted(want) and len(set(seen)) == len(seen)
 
 
 def test_indices_from_compressed_branch():
@@ -215,19 +245,22 @@ def test_backend_dispatch_runs_triton():
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("mode", ["query", "block"])
+@pytest.mark.parametrize("mode", ["query", "block", "block_chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES[:5], ids=IDS[:5])
 def test_selected_gated_matches_reference(case, dtype, mode):
     """Eq. 5 in the selection kernel's epilogue (forward only): g_cmp o_cmp + g_sel o_sel + g_win o_win
-    against the float64 reference selected branch and the plain gated sum, both kernel families."""
-    cfg, q_start, xs, _, idx = _inputs(case, dtype, seed=100 + CASES.index(case) * 4 + (mode == "block"))
+    against the float64 reference selected branch and the plain gated sum, both kernel families;
+    block_chunks: block-outer in chunks of 3 query rows (each chunk's gated epilogue on its rows)."""
+    cfg, q_start, xs, _, idx = _inputs(case, dtype, seed=100 + CASES.index(case) * 4 + (mode != "query"))
     g = torch.Generator().manual_seed(CASES.index(case))
     B, Tq, HQ = xs[0].shape[:3]
     Dv = xs[2].shape[-1]
     o_cmp, o_win = (torch.randn(B, Tq, HQ, Dv, generator=g).to(dtype) for _ in range(2))
     gates = torch.rand(B, Tq, HQ, 3, generator=g).to(dtype)
-    with tuning.overrides({"selection": {"mode": mode}}):
+    row_bytes = HQ * cfg.n_sel * Dv * xs[0].element_size()
+    tune = {"mode": "block", "part_bytes_max": 3 * row_bytes} if mode == "block_chunks" else {"mode": mode}
+    with tuning.overrides({"selection": tune}):
         o = selection.selected_gated(*xs, idx, cfg, o_cmp, o_win, gates, q_start=q_start)
     o_sel = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
     gg = gates.to(F64).unsqueeze(-1)

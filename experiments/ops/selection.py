@@ -4,7 +4,7 @@ Inputs: q ``[B,T,HQ,Dk]``, k/v ``[B,T,H,D]`` (standard normal) and random valid 
 reference top-n (``reference.select_blocks``: the n_init first and n_local newest blocks forced) of
 uniform random scores. Row ``triton``: forward and forward+backward; FLOPs over the tokens u <= t of
 the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
-block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16 while its partials fit).
+block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16, in row chunks at long T).
 """
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ each key/value tile is loaded once for all of them):
   that list loads the key/value block once and packs (queries x G heads) into the M rows, so a
   tile is full for any G. Forward writes per-slot partial outputs and log-sum-exps, merged by
   ``_combine_kernel``; backward accumulates dK/dV of the block in registers (one fp32 atomic add
-  per chunk, not per query), and dQ either per slot (when those partials fit) or by the
-  query-outer kernel.
+  per chunk, not per query), and dQ per slot (or, after a query-outer forward whose dq partials
+  would not fit, by the query-outer kernel). Long inputs run in row chunks whose partials fit
+  ``part_bytes_max`` (one plan per chunk).
 
 Softmax statistics are kept in base 2 (``lse2 = log2 sum exp2(scale*log2(e)*q.k)``). All offsets
 are computed in int64. Accumulation is fp32; fp32 inputs use IEEE fp32 products (no tf32).
@@ -159,10 +160,11 @@ def _bwd_dq_kernel(
 # ------------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
-                 sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                 sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, part_row0, q_start, scale_log2,
                  G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_Q: tl.constexpr,
                  BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr):
-    """Rows = BLOCK_Q entries x GP heads: partial attention of each row over this key block."""
+    """Rows = BLOCK_Q entries x GP heads: partial attention of each row over this key block, stored
+    at partial row r - part_row0 (the partials hold the rows of one chunk)."""
     rows = tl.arange(0, BLOCK_Q * GP)
     g = rows % GP
     dk = tl.arange(0, BLOCK_DK)
@@ -183,15 +185,16 @@ def _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, E
     l = tl.sum(p, 1)
     o = tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
     o = o / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(OPART + r[:, None] * sop_n + hq[:, None] * sop_h + slot[:, None] * sop_s + dv[None, :],
+    rp = r - part_row0
+    tl.store(OPART + rp[:, None] * sop_n + hq[:, None] * sop_h + slot[:, None] * sop_s + dv[None, :],
              o.to(OPART.dtype.element_ty), mask=rok[:, None] & (dv[None, :] < DV))
-    tl.store(LPART + r * slp_n + hq * slp_h + slot, m + tl.log2(l), mask=rok)
+    tl.store(LPART + rp * slp_n + hq * slp_h + slot, m + tl.log2(l), mask=rok)
 
 
 @triton.jit
 def _fwd_kv_kernel(
     Q, K, V, OPART, LPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
-    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sop_n, sop_h, sop_s, slp_n, slp_h,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sop_n, sop_h, sop_s, slp_n, slp_h, part_row0,
     q_start, scale_log2, H, NB,
     G: tl.constexpr, GP: tl.constexpr, L_SEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -217,13 +220,13 @@ def _fwd_kv_kernel(
         e0 = e_beg
         while e0 < e_end:
             _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
-                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, part_row0, q_start, scale_log2,
                          G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, PREC)
             e0 += BLOCK_Q
     else:
         for e0 in range(e_beg, e_end, BLOCK_Q):
             _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, ENT_SLOT,
-                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, q_start, scale_log2,
+                         sq_n, sq_h, sop_n, sop_h, sop_s, slp_n, slp_h, part_row0, q_start, scale_log2,
                          G, GP, DK, DV, BLOCK_Q, BLOCK_DK, BLOCK_DV, PREC)
 
 
@@ -404,9 +407,11 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows, row0: int = 0):
     valid = (j >= 0) & (j < NB)
     key = (lay.row_seq[row0:row0 + idx.shape[0]].to(kdt)[:, None, None] * H + h) * NB + j
     key = torch.where(valid, key, torch.full_like(key, n_seg)).flatten()  # invalid entries sort last
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=n_seg + 1)[:n_seg]
-    seg_end = torch.cumsum(counts, 0)
+    skey, order = torch.sort(key, stable=True)
+    # segment ends by binary search in the sorted keys (a histogram's atomics on 16M keys cost 0.6 ms at
+    # 16k tokens, G=1); the invalid entries (key n_seg) lie past the last segment
+    seg_end = torch.searchsorted(skey, torch.arange(1, n_seg + 1, device=dev, dtype=kdt))
+    counts = torch.diff(seg_end, prepend=seg_end.new_zeros(1))
     seg_start = seg_end - counts
     ent_row = (order // (H * n_sel) + row0).to(torch.int32)
     ent_slot = (order % n_sel).to(torch.int32)
@@ -421,17 +426,23 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows, row0: int = 0):
                 item_end=item_end, n_items=n_items)
 
 
-def _choose_mode(tune, G, l_sel, part_bytes, n_rows):
+def _choose_mode(tune, G, l_sel, n_rows):
     """The kernel family: ``tune["mode"]``, where "auto" takes block-outer for G < 16 (where small
     groups leave query-outer tiles mostly empty; BENCHMARKS.md, "Tuning choices") and query-outer for
-    G >= 16, when the per-slot partials would exceed ``part_bytes_max``, or for few query rows
-    (decode: the block-outer plan costs a sort and a host sync)."""
+    G >= 16 or for few query rows (decode: the block-outer plan costs a sort and a host sync). Long
+    inputs run block-outer in row chunks (``_part_rows``)."""
     mode = tune["mode"]
     if mode == "auto":
-        mode = "block" if G < 16 and part_bytes <= tune["part_bytes_max"] and n_rows >= 512 else "query"
+        mode = "block" if G < 16 and n_rows >= 512 else "query"
     if mode == "block" and l_sel > 128:
         mode = "query"  # a whole selection block is one tile in the block-outer kernels
     return mode
+
+
+def _part_rows(n_rows, row_bytes, tune):
+    """Query rows per chunk of the block-outer kernels: their per-slot partials (``row_bytes`` a row)
+    fit ``part_bytes_max``."""
+    return max(1, min(n_rows, tune["part_bytes_max"] // row_bytes))
 
 
 def _meta(Dk, Dv, l_sel, block_s):
@@ -476,27 +487,35 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
             num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
         return o, lse, plan
     GP, BQ = _block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
-    plan = _block_outer_plan(idx, lay, H, G, tune["chunk_rows"])
-    opart = empty((Nq, HQ, n_sel, Dv), q, _part_dtype(q.dtype))
-    lpart = torch.full((Nq, HQ, n_sel), float("-inf"), device=q.device, dtype=torch.float32)
-    if plan["n_items"]:
-        _fwd_kv_kernel[(plan["n_items"],)](
-            q, k, v, opart, lpart, plan["ent_row"], plan["ent_slot"], plan["item_key"], plan["item_start"],
-            plan["item_end"], lay.cu_q, lay.cu_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    # Per-slot partials of at most part_bytes_max: query rows in chunks, each with its own plan (the
+    # plan of a single chunk is kept for the backward).
+    rows = _part_rows(Nq, HQ * n_sel * Dv * q.element_size(), tune)
+    for r0 in range(0, Nq, rows):
+        r1 = min(Nq, r0 + rows)
+        plan = _block_outer_plan(idx[r0:r1], lay, H, G, tune["chunk_rows"], row0=r0)
+        opart = empty((r1 - r0, HQ, n_sel, Dv), q, _part_dtype(q.dtype))
+        lpart = torch.full((r1 - r0, HQ, n_sel), float("-inf"), device=q.device, dtype=torch.float32)
+        if plan["n_items"]:
+            _fwd_kv_kernel[(plan["n_items"],)](
+                q, k, v, opart, lpart, plan["ent_row"], plan["ent_slot"], plan["item_key"], plan["item_start"],
+                plan["item_end"], lay.cu_q, lay.cu_k,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1), r0,
+                lay.q_start, scale_log2, H, max(lay.n_blocks, 1),
+                G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
+                BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), PREC=prec, INTERP=interpreted(q),
+                num_warps=tune["kv_warps"], num_stages=tune["kv_stages"] or (2 if G == 1 else 3))
+        BLOCK_R = 16
+        n_rows = (r1 - r0) * HQ
+        o_c, lse_c, oc_c, ow_c, gt_c = (x[r0:r1] for x in (o, lse, oc, ow, gt))
+        _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            opart, lpart, o_c, lse_c, oc_c, ow_c, gt_c, n_rows, HQ,
             opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            lay.q_start, scale_log2, H, max(lay.n_blocks, 1),
-            G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
-            BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), PREC=prec, INTERP=interpreted(q),
-            num_warps=tune["kv_warps"], num_stages=tune["kv_stages"] or (2 if G == 1 else 3))
-    BLOCK_R = 16
-    n_rows = Nq * HQ
-    _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-        opart, lpart, o, lse, oc, ow, gt, n_rows, HQ,
-        opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
-        N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=p2(n_sel, 2), BLOCK_DV=p2(Dv, 16), GATED=gated is not None,
-        num_warps=4)
+            o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
+            N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=p2(n_sel, 2), BLOCK_DV=p2(Dv, 16), GATED=gated is not None,
+            num_warps=4)
+    if rows < Nq:
+        plan = None
     return o, lse, plan
 
 
@@ -513,8 +532,9 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     dv32 = torch.zeros(Nk, H, Dv, device=q.device, dtype=torch.float32)
     if Nq == 0:
         return torch.zeros_like(q), dk32.to(k.dtype), dv32.to(v.dtype)
-    # dq per slot from the block-outer kernel (no query-outer dq pass) when the partials fit; they
-    # need Nq*HQ*n_sel*Dk 16-bit values (BENCHMARKS.md, "Tuning choices"). Head dims over 128 always
+    # dq per slot from the block-outer kernel (no query-outer dq pass): always after a block-outer
+    # forward, after a query-outer one when the partials fit; they need Nq*HQ*n_sel*Dk 16-bit values
+    # (BENCHMARKS.md, "Tuning choices"), in row chunks of at most part_bytes_max. Head dims over 128 always
     # take this path, in row chunks whose partials fit: compiled by triton 3.6 for the H200, the
     # block-outer kernel without its dq store (BLOCK_DK = 256) returned wrong dK (rel-L2 0.09-0.27
     # against the reference; BENCHMARKS.md, "Validation"), with the store it matches.
@@ -525,7 +545,7 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
                          "(the kernel without its dq store returned wrong dK there); use None or True")
     if write_dq is None:
         write_dq = mode == "block" or Nq * part_row <= tune["part_bytes_max"] or p2(Dk, 16) > 128
-    rows = Nq if not write_dq else max(1, min(Nq, tune["part_bytes_max"] // part_row))
+    rows = Nq if not write_dq else _part_rows(Nq, part_row, tune)
     GP, BQ = _block_q(G, max(Dk, Dv), tune["bwd_rows"])
     dq = empty(q.shape, q)
     for r0 in range(0, Nq, rows):
@@ -586,8 +606,7 @@ def _prepare(q, k, v, indices, config, scale):
     if HQ % H:
         raise ValueError(f"selected_attention: {HQ} query heads not divisible by {H} key/value heads")
     tune = tuning.params("selection", q.device)
-    part_bytes = q.shape[0] * HQ * indices.shape[-1] * max(q.shape[-1], v.shape[-1]) * q.element_size()
-    mode = _choose_mode(tune, HQ // H, config.l_sel, part_bytes, q.shape[0])
+    mode = _choose_mode(tune, HQ // H, config.l_sel, q.shape[0])
     return default_scale(q, scale), mode, tune, indices.to(torch.int32).contiguous()
 
 

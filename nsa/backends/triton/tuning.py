@@ -58,7 +58,7 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "warps": _TILES["warps"],
     },
     "selection": {
-        "mode": (("auto", "query", "block"), "kernel family; auto: block-outer for G < 16 while its partials fit"),
+        "mode": (("auto", "query", "block"), "kernel family; auto: block-outer for G < 16 from 512 query rows, else query"),
         "warps": (int, "warps per query-outer program (forward and dq)"),
         "stages": (int, "stages of the query-outer kernels"),
         "block_s": (int, "keys per query-outer tile (a selection block is cut into l_sel / block_s)"),
@@ -70,7 +70,7 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "bwd_warps": (int, "warps per block-outer backward program"),
         "bwd_stages": (int, "stages of the block-outer backward"),
         "dq_part": (bool, "dq per slot from the block-outer backward; None: when the partials fit"),
-        "part_bytes_max": (int, "per-slot partials above this many bytes take the query-outer kernels"),
+        "part_bytes_max": (int, "bytes of per-slot partials at most: the block-outer kernels run in row chunks"),
     },
     "gate": {
         "rows": (int, "(query, head) rows per program of the gated sum"),
