@@ -22,9 +22,9 @@ programs are launched while the previous kernel runs and wait for it (``griddepc
 reading anything, so no launch latency lies between them; outputs are bit-identical to serial launches
 (tests/test_decode_gpu.py).
 
-With ``tuning.decode.fuse`` (off by default: not yet timed on a GPU) the whole step takes two launches:
-the program of a group that finishes its pass last (an atomic count per group, released and acquired
-at GPU scope) runs step 2 after step 1, and step 4 after step 3, itself.
+With ``tuning.decode.fuse`` (off by default: slower on the H100, BENCHMARKS.md) the whole step takes
+two launches: the program of a group that finishes its pass last (an atomic count per group, released
+and acquired at GPU scope) runs step 2 after step 1, and step 4 after step 3, itself.
 
 Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
 ``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
