@@ -42,7 +42,8 @@ CASES = [
     PAPER_G16,
     kc.Case(B=1, T=2049, H=1, G=32, Dk=192, Dv=128, blocks=PAPER, rows=256),
     # G=1 on 64 key/value heads: the block-outer partials (256 KiB a query row) exceed 8 GiB past 32768
-    # rows, so forward and backward run in two row chunks, the compared rows in the second
+    # rows, so forward and backward run in row chunks (two on cards of 64 GiB and more), the compared
+    # rows in the last
     kc.Case(B=1, T=40_000, H=64, G=1, Dk=128, Dv=128, blocks=PAPER, rows=256),
     # 128k + 77 tokens, two sequences: q and dq hold 2 x 131149 x 64 x 192 = 3.2e9 elements, o 2.1e9 > 2^31
     BRANCH_128K := kc.Case(B=2, T=131_149, H=4, G=16, Dk=192, Dv=128, blocks=PAPER, rows=256),

@@ -162,6 +162,19 @@ def test_partials_in_row_chunks(varlen, mode):
     assert calls == (list(range(0, N, 10)) if mode == "block" else []) + list(range(0, N, 7)), calls
 
 
+@pytest.mark.parametrize("gib, want", [(24, 3 << 30), (80, 8 << 30), (141, 8 << 30)])
+def test_partials_budget_follows_the_card(monkeypatch, gib, want):
+    """``part_bytes_max=None``: 8 GiB of per-slot partials, at most an eighth of the GPU's memory; off
+    CUDA 8 GiB; a value given is kept."""
+    props = type("Props", (), {"total_memory": gib << 30})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    tune = tuning.params("selection", "cuda")
+    assert tune["part_bytes_max"] is None
+    assert selection._part_budget(tune, torch.device("cuda", 0)) == want
+    assert selection._part_budget(tune, torch.device("cpu")) == 8 << 30
+    assert selection._part_budget({**tune, "part_bytes_max": 12345}, torch.device("cuda", 0)) == 12345
+
+
 @pytest.mark.parametrize("row0", [0, 13])
 def test_block_outer_plan_lists_every_entry_once(row0):
     """The inverted index: every valid (row, head, slot) entry once, in the work items of its (sequence,

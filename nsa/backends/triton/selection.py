@@ -439,6 +439,16 @@ def _choose_mode(tune, G, l_sel, n_rows):
     return mode
 
 
+def _part_budget(tune, device):
+    """``part_bytes_max``, where None: 8 GiB, at most an eighth of the GPU's memory (a 24 GB card
+    keeps 3 GB of partials, 80 GB and larger cards 8 GiB)."""
+    if tune["part_bytes_max"] is not None:
+        return tune["part_bytes_max"]
+    if device.type != "cuda":
+        return 8 << 30
+    return min(8 << 30, torch.cuda.get_device_properties(device).total_memory // 8)
+
+
 def _part_rows(n_rows, row_bytes, tune):
     """Query rows per chunk of the block-outer kernels: their per-slot partials (``row_bytes`` a row)
     fit ``part_bytes_max``."""
@@ -606,6 +616,7 @@ def _prepare(q, k, v, indices, config, scale):
     if HQ % H:
         raise ValueError(f"selected_attention: {HQ} query heads not divisible by {H} key/value heads")
     tune = tuning.params("selection", q.device)
+    tune["part_bytes_max"] = _part_budget(tune, q.device)
     mode = _choose_mode(tune, HQ // H, config.l_sel, q.shape[0])
     return default_scale(q, scale), mode, tune, indices.to(torch.int32).contiguous()
 

@@ -70,7 +70,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "bwd_warps": (int, "warps per block-outer backward program"),
         "bwd_stages": (int, "stages of the block-outer backward"),
         "dq_part": (bool, "dq per slot from the block-outer backward; None: when the partials fit"),
-        "part_bytes_max": (int, "bytes of per-slot partials at most: the block-outer kernels run in row chunks"),
+        "part_bytes_max": (int, "bytes of per-slot partials a row chunk of the block-outer kernels holds; "
+                                "None: 8 GiB, at most 1/8 of the GPU's memory"),
     },
     "gate": {
         "rows": (int, "(query, head) rows per program of the gated sum"),
@@ -104,7 +105,7 @@ _CUDA = {
     "topn": dict(elems=1024, warps=1),
     "selection": dict(mode="auto", warps=4, stages=2, block_s=64, rows=None, kv_warps=4, kv_stages=None,
                       chunk_rows=2048, bwd_rows=128, bwd_warps=8, bwd_stages=2, dq_part=None,
-                      part_bytes_max=8 << 30),
+                      part_bytes_max=None),
     "gate": dict(rows=16, warps=4),
     "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
                    block_t=256, pdl=None, fuse=False),
