@@ -94,8 +94,7 @@ def work(job: Job) -> Result:
         if use_decoder:
             # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
             dec = GraphDecoder(layer, cache)
-            # programmatic dependent launch between the kernels; two launches per step instead of four
-            tags.update({f"decode_{k}": str(dec.kernel_params()[k]) for k in ("pdl", "fuse")})
+            tags.update(measure.decode_launch_tags(dec))
             forced = BRANCHES if branch == "none" else (branch,)
             times = {"layer": time_step(lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
         else:

@@ -190,6 +190,13 @@ def graph_ms(capture: Callable, fn: Callable[[], object], device: torch.device, 
     return {**many, "single_replay_p50_ms": one["p50_ms"]}
 
 
+def decode_launch_tags(decoder) -> dict[str, str]:
+    """A ``nsa.decode.GraphDecoder``'s launch modes as run tags: ``decode_pdl`` (programmatic dependent
+    launch between the step's kernels) and ``decode_fuse`` (two launches per step instead of four)."""
+    p = decoder.kernel_params()
+    return {f"decode_{k}": str(p[k]) for k in ("pdl", "fuse")}
+
+
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
     """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU."""
     for _ in range(warmup):

@@ -261,7 +261,7 @@ def test_backend_dispatch_runs_triton():
 @pytest.mark.parametrize("mode", ["query", "block", "block_chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", CASES[:5], ids=IDS[:5])
-def test_selected_gated_matches_reference(case, dtype, mode):
+def test_selected_gated_matches_reference(monkeypatch, case, dtype, mode):
     """Eq. 5 in the selection kernel's epilogue (forward only): g_cmp o_cmp + g_sel o_sel + g_win o_win
     against the float64 reference selected branch and the plain gated sum, both kernel families;
     block_chunks: block-outer in chunks of 3 query rows (each chunk's gated epilogue on its rows)."""
@@ -273,8 +273,13 @@ def test_selected_gated_matches_reference(case, dtype, mode):
     gates = torch.rand(B, Tq, HQ, 3, generator=g).to(dtype)
     row_bytes = HQ * cfg.n_sel * Dv * xs[0].element_size()
     tune = {"mode": "block", "part_bytes_max": 3 * row_bytes} if mode == "block_chunks" else {"mode": mode}
+    plans = []
+    plan = selection._block_outer_plan
+    monkeypatch.setattr(selection, "_block_outer_plan", lambda *a, **kw: plans.append(kw.get("row0", 0)) or plan(*a, **kw))
     with tuning.overrides({"selection": tune}):
         o = selection.selected_gated(*xs, idx, cfg, o_cmp, o_win, gates, q_start=q_start)
+    # one plan per chunk of rows (none for query-outer)
+    assert plans == {"query": [], "block": [0], "block_chunks": list(range(0, B * Tq, 3))}[mode], plans
     o_sel = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
     gg = gates.to(F64).unsqueeze(-1)
     ref = gg[..., 0, :] * o_cmp.to(F64) + gg[..., 1, :] * o_sel + gg[..., 2, :] * o_win.to(F64)

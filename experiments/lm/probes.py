@@ -23,7 +23,18 @@ import torch
 from nsa import NSAAttention, functional
 
 
-class GateMeans:
+class _GateHooks:
+    """Forward hooks on the layers' gate MLPs (``self._handles``), removed together."""
+
+    _handles: list
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class GateMeans(_GateHooks):
     """Mean gate per branch and layer over the forwards seen while ``active``."""
 
     BRANCHES = ("cmp", "sel", "win")
@@ -63,13 +74,8 @@ class GateMeans:
         self._sum, self._ans, self._n = [None] * len(self._sum), [None] * len(self._ans), 0
         return out
 
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
-
-class HoldGatesOpen:
+class HoldGatesOpen(_GateHooks):
     """While ``active``, each layer's gates are 1: a forward hook replaces the gate MLP's output (Eq. 5's
     pre-sigmoid logits) with a constant whose sigmoid is 1 in float32, so no gradient reaches the MLP."""
 
@@ -81,11 +87,6 @@ class HoldGatesOpen:
 
     def _hook(self, module, args, out):
         return torch.full_like(out, self.OPEN) if self.active else None
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def _per_branch(name: str, per_layer: torch.Tensor, branches) -> dict[str, float]:

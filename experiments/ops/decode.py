@@ -78,8 +78,7 @@ def decoder(b: Bench):
 def timed(b: Bench) -> None:
     c, B, S = b.c, b.B, b.T
     m, cache, dec, q, g = decoder(b)
-    # programmatic dependent launch between the kernels; two launches per step instead of four
-    b.tags.update({f"decode_{k}": str(dec.kernel_params()[k]) for k in ("pdl", "fuse")})
+    b.tags.update(measure.decode_launch_tags(dec))
     xs = b.randn(B, 1, c.dim)
     with torch.no_grad():
         dec.attend(q, g, position=S - 1, count=True)  # the top-n the sel row reads; the kernels' counts
