@@ -16,21 +16,21 @@ import triton
 import triton.language as tl
 
 from .rowdot import row_dot
-from .tiles import (at_doc, doc_rows, doc_span, geometry, key_range, load_head_rows, load_row_stats, load_rows, query_grid,
-                    query_rows, store_head_rows, visible)
-from .utils import LOG2E, dot_precision, empty
+from .tiles import (at_doc, doc_rows, doc_span, geometry, group_rows, key_range, load_head_rows, load_row_stats,
+                    load_rows, query_grid, query_rows, store_head_rows, visible)
+from .utils import LOG2E, descriptor, dot_precision, empty, tma_ok
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
+    Q, K, V, DO, LSE, DELTA, DQ, QD, KD, VD, DOD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
 ):
     """dq of one query tile (VARLEN: of a tile-table entry, rows of one document; Tq stays the row
-    stride of LSE/DELTA [B,HQ,Tq])."""
+    stride of LSE/DELTA [B,HQ,Tq]). TMA: q, dO, k, v through the descriptors QD, KD, VD, DOD."""
     if VARLEN:
         h, m0, m, t, head, row_ok, q0, k0, N, m_begin, m_end = doc_rows(TILES, CU_Q, CU_K, 0, Tq, G, GP, BLOCK_M)
         b = 0
@@ -42,8 +42,12 @@ def _bwd_dq_kernel(
         m_end = Tq
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
-    do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    if TMA:
+        q = group_rows(QD, b, m0, h, BLOCK_M, G, BDK)
+        do = group_rows(DOD, b, m0, h, BLOCK_M, G, BDV)
+    else:
+        q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+        do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
     lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
     tmin, tmax, hi = key_range(q_start, m0, m_end, N, STRIDE, OFFSET, BLOCK_M)
     if WINDOW > 0:
@@ -58,8 +62,12 @@ def _bwd_dq_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + nn
         n_ok = n < N
-        k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
-        v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
+        if TMA:
+            k = tl.reshape(KD.load([b.to(tl.int32), n0, h, 0]), [BLOCK_N, BDK])
+            v = tl.reshape(VD.load([b.to(tl.int32), n0, h, 0]), [BLOCK_N, BDV])
+        else:
+            k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, BLOCK_N, True)
+            v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, BLOCK_N, True)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
         vis = visible(n * STRIDE + OFFSET, n_ok, t, row_ok, WINDOW)
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
@@ -88,15 +96,20 @@ def _dkdv_queries(n0, N, Tq, q_start, pid_s, n_split, STRIDE: tl.constexpr, OFFS
 
 
 @triton.jit
-def _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m, g, head, b, m_end, Tq, q_start, sq_b, sq_t, sq_h, sdo_b, sdo_t,
-               sdo_h, dk, dv, dk_acc, dv_acc, scale_log2, HQ: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
-               DV: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_tile(Q, DO, QD, DOD, LSE, DELTA, k, v, e, n_ok, m0, m, g, head, b, h, m_end, Tq, q_start, sq_b, sq_t, sq_h,
+               sdo_b, sdo_t, sdo_h, dk, dv, dk_acc, dv_acc, scale_log2, HQ: tl.constexpr, G: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr,
+               PREC: tl.constexpr, TMA: tl.constexpr):
     """dk/dv contributions of the query rows m (position, head; those below m_end) to the key tile (k, v);
     Tq: the row stride of LSE/DELTA."""
     row_ok = (m < m_end) & (g < G)
     t = q_start + m
-    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
-    do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    if TMA:
+        q = group_rows(QD, b, m0, h, BLOCK_M, G, BDK)
+        do = group_rows(DOD, b, m0, h, BLOCK_M, G, BDV)
+    else:
+        q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+        do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
     lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     vis = visible(e, n_ok, t, row_ok, WINDOW)
@@ -117,11 +130,11 @@ def _store_key_rows(X, x, b, h, s_b, s_n, s_h, n, d, n_ok, D: tl.constexpr):
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK_, DV_, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
+    Q, K, V, DO, LSE, DELTA, DK_, DV_, QD, DOD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     sdo_b, sdo_t, sdo_h, sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h, sdk_s, sdv_s, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STRIDE: tl.constexpr,
-    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    OFFSET: tl.constexpr, WINDOW: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
 ):
     """dk/dv of one key tile (program_id 0; VARLEN: a key-tile table entry, keys of one document) of head
     h; program_id 2 picks the query share, whose float32 partial dk/dv slice (sdk_s / sdv_s apart) the
@@ -158,9 +171,9 @@ def _bwd_dkdv_kernel(
     dk_acc = tl.zeros([BLOCK_N, BDK], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BDV], tl.float32)
     for m0 in range(m_lo, m_hi, BLOCK_M):
-        dk_acc, dv_acc = _dkdv_tile(Q, DO, LSE, DELTA, k, v, e, n_ok, m0 + r // GP, g, head, b, m_end, Tq, q_start,
-                                    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, dk_acc, dv_acc, scale_log2,
-                                    HQ, G, DK, DV, WINDOW, PREC)
+        dk_acc, dv_acc = _dkdv_tile(Q, DO, QD, DOD, LSE, DELTA, k, v, e, n_ok, m0, m0 + r // GP, g, head, b, h, m_end,
+                                    Tq, q_start, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, dk, dv, dk_acc, dv_acc,
+                                    scale_log2, HQ, G, DK, DV, BDK, BDV, BLOCK_M, WINDOW, PREC, TMA)
     dk_acc = dk_acc * scale
     DK_ += pid_s.to(tl.int64) * sdk_s
     DV_ += pid_s.to(tl.int64) * sdv_s
@@ -178,14 +191,17 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
     do = do.contiguous()
     delta = row_dot(do, o).permute(0, 2, 1).contiguous()  # [B,HQ,Tq]: rowsum(dO * O)
     dq, dk, dv = empty(q.shape, q), empty(k.shape, k), empty(v.shape, v)
-    common = dict(**geo, BLOCK_N=tune["block_n"], STRIDE=stride, OFFSET=offset, WINDOW=window,
-                  PREC=dot_precision(q.dtype), VARLEN=varlen is not None, num_warps=tune["warps"],
-                  num_stages=tune["stages"])
+    tma = tma_ok(tune["tma"], varlen, HQ // H, geo["GP"], q, k, v, do)
+    bm, bn, bdk, bdv = geo["BLOCK_M"], tune["block_n"], geo["BDK"], geo["BDV"]
+    qd, dod = (descriptor(q, [1, bm, geo["GP"], bdk]), descriptor(do, [1, bm, geo["GP"], bdv])) if tma else (None, None)
+    kd, vd = (descriptor(k, [1, bn, 1, bdk]), descriptor(v, [1, bn, 1, bdv])) if tma else (None, None)
+    common = dict(**geo, BLOCK_N=bn, STRIDE=stride, OFFSET=offset, WINDOW=window, PREC=dot_precision(q.dtype),
+                  VARLEN=varlen is not None, TMA=tma, num_warps=tune["warps"], num_stages=tune["stages"])
     if B > 0 and Tq > 0:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
         _bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dq.stride()[:3], N, Tq, q_start, scale * LOG2E, scale, **common,
+            q, k, v, do, lse, delta, dq, qd, kd, vd, dod, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            *do.stride()[:3], *dq.stride()[:3], N, Tq, q_start, scale * LOG2E, scale, **common,
         )
     if B > 0 and N > 0:
         if varlen is None:
@@ -202,7 +218,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
         else:
             dkw, dvw = dk[None], dv[None]
         _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
-            q, k, v, do, lse, delta, dkw, dvw, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            q, k, v, do, lse, delta, dkw, dvw, qd, dod, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
             *do.stride()[:3], *dkw.stride()[1:4], *dvw.stride()[1:4], dkw.stride(0), dvw.stride(0), N, Tq, q_start,
             scale * LOG2E, scale, **common,
         )

@@ -24,19 +24,29 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
-                    visible)
+from .tiles import (forward_rows, geometry, group_rows, key_range, load_head_rows, load_rows, query_grid,
+                    store_head_rows, visible)
 from .topn import topn_launch
-from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
+from .utils import LOG2E, default_scale, descriptor, dot_precision, empty, launch_options, p2, tma_ok
 
 
 @triton.jit
-def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
-              NSTEP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
-              MASKED: tl.constexpr):
+def _key_tile(base, XD, b, h, n0, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP: tl.constexpr,
+              MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Keys n = n0 + nn of head h (``load_rows``), or with TMA through the descriptor XD of the [B, N, H, D]
+    tensor (block [1, NSTEP, 1, BD]: zero past N and D, as the masked load)."""
+    if TMA:
+        return tl.reshape(XD.load([b.to(tl.int32), n0, h, 0]), [NSTEP, BD])
+    return load_rows(base, n, nn, d, s_n, N, D, BD, NSTEP, MASKED)
+
+
+@triton.jit
+def _lse_tile(q, kb, KD, b, h, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: tl.constexpr,
+              BDK: tl.constexpr, NSTEP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
+              MASKED: tl.constexpr, TMA: tl.constexpr):
     """Pass 1 on keys n0..n0+NSTEP: online max and sum of exp2 (base-2 log-sum-exp of Eq. 8)."""
     n = n0 + nn
-    k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
+    k = _key_tile(kb, KD, b, h, n0, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
         vis = visible(n * STRIDE + OFFSET, (nn < NSTEP) & (n < N), t, row_ok, 0)
@@ -48,8 +58,9 @@ def _lse_tile(q, kb, n0, nn, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2, DK: t
 
 
 @triton.jit
-def _lse_pass(q, kb, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
-              R: tl.constexpr, LSE_N: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr):
+def _lse_pass(q, kb, KD, b, h, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK: tl.constexpr, BDK: tl.constexpr,
+              R: tl.constexpr, LSE_N: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr, PREC: tl.constexpr,
+              TMA: tl.constexpr):
     """Pass 1: each row's base-2 log-sum-exp over its visible compressed keys (Eq. 8's normalizer), in
     tiles of LSE_N keys (a power of two: no padding columns); the first n_vis keys, visible to every
     row, unmasked. +inf for padding rows, so their p is exactly 0 in pass 2."""
@@ -58,11 +69,11 @@ def _lse_pass(q, kb, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK: tl.const
     n_full1 = (n_vis // LSE_N) * LSE_N
     nn1 = tl.arange(0, LSE_N)
     for n0 in range(0, n_full1, LSE_N):
-        m_i, l_i = _lse_tile(q, kb, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
-                             DK, BDK, LSE_N, STRIDE, OFFSET, PREC, False)
+        m_i, l_i = _lse_tile(q, kb, KD, b, h, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                             DK, BDK, LSE_N, STRIDE, OFFSET, PREC, False, TMA)
     for n0 in range(n_full1, hi, LSE_N):
-        m_i, l_i = _lse_tile(q, kb, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
-                             DK, BDK, LSE_N, STRIDE, OFFSET, PREC, True)
+        m_i, l_i = _lse_tile(q, kb, KD, b, h, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+                             DK, BDK, LSE_N, STRIDE, OFFSET, PREC, True, TMA)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     return tl.where(row_ok, lse, float("inf"))
 
@@ -108,18 +119,18 @@ def _spill(p, nn, cc, carry, BLOCK_M: tl.constexpr, GP: tl.constexpr, NSTEP: tl.
 
 
 @triton.jit
-def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b, sc_row, sc_row_ok,
-                cc, nb, scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+def _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b, sc_row,
+                sc_row_ok, cc, nb, scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                 BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
                 SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, MASKED: tl.constexpr, D_CMP: tl.constexpr,
-                L_CMP: tl.constexpr, L_SEL: tl.constexpr, SPILL_W: tl.constexpr):
+                L_CMP: tl.constexpr, L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr):
     """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v, and the Eq. 9/10 block
     scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile).
     (w_a, w_b): the tile's Eq. 9 weights from ``_eq9_weights``."""
     n = n0 + nn
-    k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
-    v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
+    k = _key_tile(kb, KD, b, h, n0, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED, TMA)
+    v = _key_tile(vb, VD, b, h, n0, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     p = tl.exp2(s - lse[:, None])
     if MASKED:
@@ -150,12 +161,12 @@ def _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, c
 
 
 @triton.jit
-def _score_pass(q, kb, vb, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row, sc_row_ok, n_full, hi, nb,
-                scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+def _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row, sc_row_ok, n_full,
+                hi, nb, scale_log2, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                 BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
                 SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr,
-                L_SEL: tl.constexpr, SPILL_W: tl.constexpr):
+                L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr):
     """Pass 2: normalized probabilities p -> the output o = p @ v (returned; p is normalized, so no
     final division) and the Eq. 9/10 block scores of every candidate block (the last tile's carry
     written at the end); cc: the block columns 0..BJP. Tiles [0, n_full) are visible to every valid
@@ -164,15 +175,15 @@ def _score_pass(q, kb, vb, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row
     carry = tl.zeros([BLOCK_M, BJP], tl.float32)
     w_a, w_b = _eq9_weights(nn, cc, NSTEP, D_CMP, L_CMP, L_SEL, BJ, BJP, SCORE_DOT)
     for n0 in range(0, n_full, NSTEP):
-        acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
-                                 sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
+        acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+                                 w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False,
-                                 D_CMP, L_CMP, L_SEL, SPILL_W)
+                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
     for n0 in range(n_full, hi, NSTEP):
-        acc, carry = _score_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry, w_a, w_b,
-                                 sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
+        acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+                                 w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True,
-                                 D_CMP, L_CMP, L_SEL, SPILL_W)
+                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
     j = tl.cdiv(hi, NSTEP) * BJ + cc
     tl.store(sc_row + j[None, :], carry, mask=sc_row_ok[:, None] & (j < nb)[None, :])
     return acc
@@ -180,23 +191,27 @@ def _score_pass(q, kb, vb, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, LSE, SC, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h,
-    ssc_b, ssc_t, ssc_h, N, Tq, q_start, m_begin, m_end, nb, scale_log2,
+    Q, K, V, Out, LSE, SC, QD, KD1, KD, VD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
+    so_b, so_t, so_h, ssc_b, ssc_t, ssc_h, N, Tq, q_start, m_begin, m_end, nb, scale_log2,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
     BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr, SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr,
-    LSE_N: tl.constexpr, SPILL_W: tl.constexpr, VARLEN: tl.constexpr,
+    LSE_N: tl.constexpr, SPILL_W: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
 ):
     """o_cmp [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the block scores of queries [m_begin, m_end)
     (rows of SC: position - m_begin). VARLEN: packed documents (B = 1; TILES, CU_Q = cu_seqlens, CU_K =
-    the compressed tokens' offsets, see ``tiles.doc_rows``); else TILES, CU_Q, CU_K are None."""
+    the compressed tokens' offsets, see ``tiles.doc_rows``); else TILES, CU_Q, CU_K are None. TMA: q and the
+    key tiles through the descriptors QD, KD1 (pass 1's LSE_N keys), KD, VD (pass 2's BLOCK_N keys)."""
     b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
         Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
         VARLEN)
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
+    if TMA:
+        q = group_rows(QD, b, m0, h, BLOCK_M, G, BDK)
+    else:
+        q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
     tmin, tmax, hi = key_range(q_start, m0, m_end, N, STRIDE, OFFSET, BLOCK_M)
     kb = K + b * sk_b + h * sk_h
     vb = V + b * sv_b + h * sv_h
@@ -208,14 +223,14 @@ def _fwd_kernel(
     n_full = (n_vis // NSTEP) * NSTEP
     if NSTEP != BLOCK_N:
         n_full = 0  # tiles with padding columns always take the masked path
-    lse = _lse_pass(q, kb, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK, BDK, BLOCK_M * GP, LSE_N, STRIDE,
-                    OFFSET, PREC)
+    lse = _lse_pass(q, kb, KD1, b, h, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK, BDK, BLOCK_M * GP, LSE_N,
+                    STRIDE, OFFSET, PREC, TMA)
     cc = tl.arange(0, BJP)
     mm = tl.arange(0, BLOCK_M)
     sc_row = SC + b * ssc_b + (m0 + mm - m_begin)[:, None].to(tl.int64) * ssc_t + h * ssc_h
-    o = _score_pass(q, kb, vb, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row, (m0 + mm) < m_end, n_full, hi, nb,
-                    scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP, BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC,
-                    SCORE_DOT, SCORE_LO, D_CMP, L_CMP, L_SEL, SPILL_W)
+    o = _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row, (m0 + mm) < m_end,
+                    n_full, hi, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP, BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP,
+                    PREC, SCORE_DOT, SCORE_LO, D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
     store_head_rows(Out, o, b, so_b, so_t, so_h, m, head, dv, row_ok, DV)
     # LSE layout: [B, HQ, Tq] float32, base 2
     tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
@@ -254,16 +269,21 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
         if on_scored is not None:
             on_scored()
         return o, lse, idx
+    # TMA: tiles without padding columns only (a descriptor block has no per-column mask)
+    tma = tma_ok(tune["tma"], varlen, geo["G"], geo["GP"], q, k, v) and p2(nstep) == nstep
+    bdk, bdv = geo["BDK"], geo["BDV"]
+    descs = ((descriptor(q, [1, geo["BLOCK_M"], geo["GP"], bdk]), descriptor(k, [1, tune["lse_n"], 1, bdk]),
+              descriptor(k, [1, nstep, 1, bdk]), descriptor(v, [1, nstep, 1, bdv])) if tma else (None,) * 4)
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
         # every candidate block (j <= t // l_sel) of every row is written by the kernel: no memset
         sc = empty((B, c1 - c0, H, nb), q, torch.float32)
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, c0, c1, config.d, config.l - 1)
         _fwd_kernel[grid](
-            q, k, v, o, lse, sc, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
+            q, k, v, o, lse, sc, *descs, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             *sc.stride()[:3], N, Tq, q_start, c0, c1, n_blocks, scale * LOG2E,
             **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d, OFFSET=config.l - 1, PREC=dot_precision(q.dtype),
-            LSE_N=tune["lse_n"], VARLEN=varlen is not None, **launch_options(tune), **kw,
+            LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma, **launch_options(tune), **kw,
         )
         if on_scored is not None and c1 == Tq:
             on_scored()

@@ -36,7 +36,7 @@ import triton.language as tl
 from . import tuning
 from .gate import gate_rows
 from .rowdot import row_dot
-from .utils import LOG2E, default_scale, dot_precision, empty, interpreted, p2
+from .utils import LOG2E, default_scale, descriptor, dot_precision, empty, interpreted, p2, tma_ok
 
 
 @triton.jit
@@ -51,14 +51,23 @@ def _seq_bounds(CU_Q, CU_K, seq):
 # Query-outer kernels: one program per (query row, kv head); rows of the tile = the G heads.
 # ------------------------------------------------------------------------------------------------
 @triton.jit
+def _sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
+    """Key rows row.. row+BLOCK_S of head h through the TMA descriptor of a [Nk, H, D] tensor (block
+    [BLOCK_S, 1, BD]). Unlike the masked pointer loads, rows outside the selected block (past t, past the
+    block, the previous or next sequence, j = -1) hold data, not zeros: every use masks their scores
+    to -inf / their p and ds to 0 first, so with finite keys and values the results are the same."""
+    return tl.reshape(XD.load([row.to(tl.int32), h.to(tl.int32), 0]), [BLOCK_S, BD])
+
+
+@triton.jit
 def _fwd_q_kernel(
-    Q, K, V, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
+    Q, K, V, KD, VD, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n, sg_n,
     q_start, scale_log2,
     G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr, GATED: tl.constexpr,
+    PREC: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -84,8 +93,11 @@ def _fwd_q_kernel(
         off = sb * BLOCK_S + ar
         pos = j * L_SEL + off
         ok = (j >= 0) & (off < L_SEL) & (pos <= t) & (pos < S)
-        kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None],
-                     mask=ok[None, :] & (dk[:, None] < DK), other=0.0)
+        if TMA:
+            kt = tl.trans(_sel_tile(KD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DK))
+        else:
+            kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None],
+                         mask=ok[None, :] & (dk[:, None] < DK), other=0.0)
         qk = tl.dot(q, kt, input_precision=PREC) * scale_log2
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -93,8 +105,11 @@ def _fwd_q_kernel(
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
-                     mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
+        if TMA:
+            vv = _sel_tile(VD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV)
+        else:
+            vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
+                         mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
         m_i = m_new
     o = acc / l_i[:, None]
@@ -460,6 +475,17 @@ def _meta(Dk, Dv, l_sel, block_s):
     return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16))
 
 
+def _kv_descriptors(tune, lay, k, v, l_sel):
+    """TMA descriptors of k, v [Nk, H, D] for the query-outer forward's key tiles (its dq kernel keeps
+    pointer loads, which timed faster there: BENCHMARKS.md), or (None, None) where
+    ``tune["tma"]`` is off or the tensors do not qualify (``utils.tma_ok``; packed documents qualify:
+    the kernels mask every row outside the selected block)."""
+    if not tma_ok(tune["tma"], None, 1, 1, k, v):
+        return None, None
+    block_s = _meta(k.shape[2], v.shape[2], l_sel, tune["block_s"])["BLOCK_S"]
+    return (descriptor(k, [block_s, 1, p2(k.shape[2], 16)]), descriptor(v, [block_s, 1, p2(v.shape[2], 16)]))
+
+
 def _block_q(G, Dmax, rows):
     """(GP, BLOCK_Q): rows of a block-outer tile = BLOCK_Q queries x GP heads."""
     GP = triton.next_power_of_2(G)
@@ -488,13 +514,14 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
     if Nq == 0:
         return o, lse, plan
     if mode == "query":
+        kd, vd = _kv_descriptors(tune, lay, k, v, l_sel)
         _fwd_q_kernel[(Nq, H)](
-            q, k, v, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
+            q, k, v, kd, vd, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
             lay.q_start, scale_log2,
             G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec, GATED=gated is not None,
-            num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
+            TMA=kd is not None, num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
         return o, lse, plan
     GP, BQ = _block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
     # Per-slot partials of at most part_bytes_max: query rows in chunks, each with its own plan (the

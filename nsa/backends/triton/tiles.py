@@ -100,6 +100,13 @@ def forward_rows(Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N
 
 
 @triton.jit
+def group_rows(XD, b, m0, h, BLOCK_M: tl.constexpr, G: tl.constexpr, BD: tl.constexpr):
+    """Rows (m0 + i, h*G + g), i < BLOCK_M, g < G, of a [B, T, HQ, D] tensor through its TMA descriptor
+    (block [1, BLOCK_M, G, BD]; zero past T and D), in the row order of ``query_rows``."""
+    return tl.reshape(XD.load([b.to(tl.int32), m0, h * G, 0]), [BLOCK_M * G, BD])
+
+
+@triton.jit
 def key_range(q_start, m0, m_end, N, STRIDE: tl.constexpr, OFFSET: tl.constexpr, BLOCK_M: tl.constexpr):
     """(tmin, tmax, hi) of a query tile starting at m0: its first and last absolute positions and
     the number of keys with e(i) <= tmax (at most N)."""

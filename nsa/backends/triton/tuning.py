@@ -42,6 +42,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "lse_n": (int, "compressed keys per tile of pass 1 (log-sum-exp only); a power of two"),
         "score_lo": (bool, "half inputs: add the fp16 remainder product to the Eq. 9 scores (exact top-n)"),
         "score_buffer_bytes": (int, "bytes of the [B, chunk, H, nb] float32 score buffer; more queries: chunks"),
+        "tma": (bool, "load q, k, v through TMA descriptors (one sequence per batch row, G a power of two, "
+                      "tiles without padding columns); None: on sm_90+ and under the interpreter"),
     },
     "window": {
         "rows": (int, "query rows per program; at most 64 when Dk or Dv > 128 (then 4 warps, no cap)"),
@@ -52,6 +54,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         **{k: _TILES[k] for k in ("block_n", "warps", "stages")},
         "programs": (int, "the dk/dv kernel splits each key tile's queries until about this many programs run"),
         "split_max": (int, "at most this many query shares per key tile (float32 partials, summed after)"),
+        "tma": (bool, "load q, dO, k, v through TMA descriptors (one sequence per batch row, G a power of two); "
+                      "None: on sm_90+ and under the interpreter"),
     },
     "topn": {
         "elems": (int, "score elements per top-n program (rows = elems // width)"),
@@ -72,6 +76,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
         "dq_part": (bool, "dq per slot from the block-outer backward; None: when the partials fit"),
         "part_bytes_max": (int, "bytes of per-slot partials a row chunk of the block-outer kernels holds; "
                                 "None: 8 GiB, at most 1/8 of the GPU's memory"),
+        "tma": (bool, "the query-outer forward loads key/value tiles through TMA descriptors; "
+                      "None: on sm_90+ and under the interpreter"),
     },
     "gate": {
         "rows": (int, "(query, head) rows per program of the gated sum"),
@@ -97,15 +103,15 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
 _CUDA = {
     # 1 GiB of block scores holds T = 64k (H=4, l_sel=64) in one chunk: one forward launch
     "compressed": dict(rows=64, block_n=64, lse_n=128, warps=4, stages=2, maxnreg=None, score_lo=True,
-                       score_buffer_bytes=1 << 30),
+                       score_buffer_bytes=1 << 30, tma=None),
     # the register cap lets two programs of 8 warps share an SM
     "window": dict(rows=128, block_n=64, warps=8, stages=2, maxnreg=128),
     # at 64k the compressed backward has only Tc/64 x H = 256 key tiles: split their queries
-    "attention_bwd": dict(rows=128, block_n=64, warps=8, stages=2, programs=4096, split_max=32),
+    "attention_bwd": dict(rows=128, block_n=64, warps=8, stages=2, programs=4096, split_max=32, tma=None),
     "topn": dict(elems=1024, warps=1),
     "selection": dict(mode="auto", warps=4, stages=2, block_s=64, rows=None, kv_warps=4, kv_stages=None,
                       chunk_rows=2048, bwd_rows=128, bwd_warps=8, bwd_stages=2, dq_part=None,
-                      part_bytes_max=None),
+                      part_bytes_max=None, tma=None),
     "gate": dict(rows=16, warps=4),
     "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
                    block_t=256, pdl=None, fuse=False),
@@ -117,7 +123,7 @@ _INTERPRET = {
     **_CUDA,
     "compressed": dict(_CUDA["compressed"], rows=16, block_n=16, lse_n=32, stages=1),
     "window": dict(rows=16, block_n=16, warps=4, stages=1, maxnreg=None),
-    "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4),
+    "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4, tma=None),
     "topn": dict(elems=2048, warps=4),
     "decode": dict(block_c=16, nsc=None, bw=None, sel_per=None, sel_vec=None, win_per=None, warps=4, topk_warps=4,
                    block_t=16, pdl=False, fuse=False),

@@ -1,7 +1,8 @@
 """Host-side helpers shared by every operation of the triton backend: constants, power-of-two sizes,
 the output allocator (NaN-filled inside :func:`poisoned_outputs`), the product precision, and
-Triton's interpreter shim (applied on import when ``TRITON_INTERPRET=1``, see ``nsa.env``). Imports
-no triton module itself, so ``poisoned_outputs`` is importable where triton is not installed.
+Triton's interpreter shim (applied on import when ``TRITON_INTERPRET=1``, see ``nsa.env``), and the
+TMA descriptors of tensors (:func:`tma_ok`, :func:`descriptor`). Imports no triton module at import
+time, so ``poisoned_outputs`` is importable where triton is not installed.
 """
 from __future__ import annotations
 
@@ -37,6 +38,28 @@ def launch_options(tune: dict) -> dict:
     if tune.get("maxnreg"):
         opts["maxnreg"] = tune["maxnreg"]
     return opts
+
+
+def tma_ok(on: bool | None, varlen, G: int, GP: int, *xs: torch.Tensor) -> bool:
+    """Whether kernels load ``xs`` through TMA descriptors (block loads by the copy engine instead of
+    per-element pointers): ``on`` (a ``tma`` tuning value; None: on sm_90+ and under the interpreter), a
+    triton with host-side descriptors (3.4+), one sequence per batch row (varlen None), a power-of-two
+    group (G == GP: a block holds exactly the group's heads), and tensors a descriptor can describe
+    (non-empty, unit last stride, 16-byte aligned base and strides)."""
+    if on is None:
+        dev = xs[0].device
+        on = dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9
+    return (bool(on) and triton_version() >= (3, 4) and varlen is None and G == GP
+            and all(x.numel() > 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+                    and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in xs))
+
+
+def descriptor(x: torch.Tensor, block: list[int]):
+    """A TMA descriptor of ``x`` (its shape and strides) with tiles of ``block``; elements past the
+    tensor's edges load as zero."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block)
 
 
 def default_scale(q: torch.Tensor, scale) -> float:
