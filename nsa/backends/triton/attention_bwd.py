@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .rowdot import row_dot
 from .tiles import (at_doc, doc_rows, doc_span, geometry, group_rows, key_range, load_head_rows, load_row_stats,
                     load_rows, query_grid, query_rows, store_head_rows, visible)
@@ -196,7 +197,8 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
     qd, dod = (descriptor(q, [1, bm, geo["GP"], bdk]), descriptor(do, [1, bm, geo["GP"], bdv])) if tma else (None, None)
     kd, vd = (descriptor(k, [1, bn, 1, bdk]), descriptor(v, [1, bn, 1, bdv])) if tma else (None, None)
     common = dict(**geo, BLOCK_N=bn, STRIDE=stride, OFFSET=offset, WINDOW=window, PREC=dot_precision(q.dtype),
-                  VARLEN=varlen is not None, TMA=tma, num_warps=tune["warps"], num_stages=tune["stages"])
+                  VARLEN=varlen is not None, TMA=tma, num_warps=tune["warps"],
+                  num_stages=tuning.by_path(tune, tma)["stages"])
     if B > 0 and Tq > 0:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
         _bwd_dq_kernel[grid](

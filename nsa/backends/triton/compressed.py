@@ -283,7 +283,7 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
             q, k, v, o, lse, sc, *descs, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
             *sc.stride()[:3], N, Tq, q_start, c0, c1, n_blocks, scale * LOG2E,
             **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d, OFFSET=config.l - 1, PREC=dot_precision(q.dtype),
-            LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma, **launch_options(tune), **kw,
+            LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma, **launch_options(tuning.by_path(tune, tma)), **kw,
         )
         if on_scored is not None and c1 == Tq:
             on_scored()

@@ -33,12 +33,18 @@ _TILES: dict[str, tuple[Any, str]] = {
     "maxnreg": (int, "registers per thread (ptxas .maxnreg); None: no cap"),
 }
 
+# Tiles through TMA descriptors leave shared memory and registers for a third stage; pointer loads
+# with 3 stages exceed the H100's shared memory at some shapes (packed documents at Dk=192).
+_STAGES_BY_PATH = "software-pipelining stages; None: 3 through TMA descriptors, 2 with pointer loads"
+STAGES_TMA, STAGES_POINTERS = 3, 2
+
 # op -> key -> (type, or a tuple of allowed values; what it sets). A value of None in a table means
 # "derived from the shape by the launcher" (the rule is in the op's module).
 KEYS: dict[str, dict[str, tuple[Any, str]]] = {
     "compressed": {
         "rows": (int, "query rows per program (BLOCK_M x next_pow2(G)); at most 64 when Dk or Dv > 128"),
         **_TILES,
+        "stages": (int, _STAGES_BY_PATH),
         "lse_n": (int, "compressed keys per tile of pass 1 (log-sum-exp only); a power of two"),
         "score_lo": (bool, "half inputs: add the fp16 remainder product to the Eq. 9 scores (exact top-n)"),
         "score_buffer_bytes": (int, "bytes of the [B, chunk, H, nb] float32 score buffer; more queries: chunks"),
@@ -51,7 +57,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
     },
     "attention_bwd": {
         "rows": (int, "query rows per program of the compressed and window backward"),
-        **{k: _TILES[k] for k in ("block_n", "warps", "stages")},
+        **{k: _TILES[k] for k in ("block_n", "warps")},
+        "stages": (int, _STAGES_BY_PATH),
         "programs": (int, "the dk/dv kernel splits each key tile's queries until about this many programs run"),
         "split_max": (int, "at most this many query shares per key tile (float32 partials, summed after)"),
         "tma": (bool, "load q, dO, k, v through TMA descriptors (one sequence per batch row, G a power of two); "
@@ -102,12 +109,12 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
 # at 64k (BENCHMARKS.md, "Tuning choices"), except score_lo, which keeps the top-n exact.
 _CUDA = {
     # 1 GiB of block scores holds T = 64k (H=4, l_sel=64) in one chunk: one forward launch
-    "compressed": dict(rows=64, block_n=64, lse_n=128, warps=4, stages=2, maxnreg=None, score_lo=True,
+    "compressed": dict(rows=64, block_n=64, lse_n=128, warps=4, stages=None, maxnreg=None, score_lo=True,
                        score_buffer_bytes=1 << 30, tma=None),
     # the register cap lets two programs of 8 warps share an SM
     "window": dict(rows=128, block_n=64, warps=8, stages=2, maxnreg=128),
     # at 64k the compressed backward has only Tc/64 x H = 256 key tiles: split their queries
-    "attention_bwd": dict(rows=128, block_n=64, warps=8, stages=2, programs=4096, split_max=32, tma=None),
+    "attention_bwd": dict(rows=128, block_n=64, warps=8, stages=None, programs=4096, split_max=32, tma=None),
     "topn": dict(elems=1024, warps=1),
     "selection": dict(mode="auto", warps=4, stages=2, block_s=64, rows=None, kv_warps=4, kv_stages=None,
                       chunk_rows=2048, bwd_rows=128, bwd_warps=8, bwd_stages=2, dq_part=None,
@@ -154,6 +161,14 @@ def params(op: str, where: torch.device | str) -> dict[str, Any]:
     if op not in KEYS:
         raise ValueError(f"tuning: unknown op {op!r}; ops: {', '.join(KEYS)}")
     return {**TABLES[where if isinstance(where, str) else key(where)][op], **_OVERRIDES.get(op, {})}
+
+
+def by_path(tune: dict[str, Any], tma: bool) -> dict[str, Any]:
+    """``tune`` with ``stages`` resolved where it is None: ``STAGES_TMA`` when the kernel loads through TMA
+    descriptors, else ``STAGES_POINTERS``."""
+    if tune.get("stages") is not None:
+        return tune
+    return {**tune, "stages": STAGES_TMA if tma else STAGES_POINTERS}
 
 
 def table(where: torch.device | str) -> dict[str, dict[str, Any]]:
