@@ -23,6 +23,18 @@ from .utils import LOG2E, descriptor, dot_precision, empty, tma_ok
 
 
 @triton.jit
+def _query_rows(Q, DO, QD, DOD, b, h, m0, m, head, dk, dv, row_ok, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h,
+                G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+    """(q, dO) of the tile's rows (positions m from m0, heads of group h): through the descriptors QD, DOD
+    (TMA) or per-element pointers; 0 where not row_ok either way."""
+    if TMA:
+        return group_rows(QD, b, m0, h, BLOCK_M, G, BDK), group_rows(DOD, b, m0, h, BLOCK_M, G, BDV)
+    return (load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK),
+            load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV))
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, QD, KD, VD, DOD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
@@ -43,12 +55,8 @@ def _bwd_dq_kernel(
         m_end = Tq
     dk = tl.arange(0, BDK)
     dv = tl.arange(0, BDV)
-    if TMA:
-        q = group_rows(QD, b, m0, h, BLOCK_M, G, BDK)
-        do = group_rows(DOD, b, m0, h, BLOCK_M, G, BDV)
-    else:
-        q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
-        do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    q, do = _query_rows(Q, DO, QD, DOD, b, h, m0, m, head, dk, dv, row_ok, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h,
+                        G, DK, DV, BDK, BDV, BLOCK_M, TMA)
     lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
     tmin, tmax, hi = key_range(q_start, m0, m_end, N, STRIDE, OFFSET, BLOCK_M)
     if WINDOW > 0:
@@ -105,12 +113,8 @@ def _dkdv_tile(Q, DO, QD, DOD, LSE, DELTA, k, v, e, n_ok, m0, m, g, head, b, h, 
     Tq: the row stride of LSE/DELTA."""
     row_ok = (m < m_end) & (g < G)
     t = q_start + m
-    if TMA:
-        q = group_rows(QD, b, m0, h, BLOCK_M, G, BDK)
-        do = group_rows(DOD, b, m0, h, BLOCK_M, G, BDV)
-    else:
-        q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
-        do = load_head_rows(DO, b, sdo_b, sdo_t, sdo_h, m, head, dv, row_ok, DV)
+    q, do = _query_rows(Q, DO, QD, DOD, b, h, m0, m, head, dk, dv, row_ok, sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h,
+                        G, DK, DV, BDK, BDV, BLOCK_M, TMA)
     lse, delta = load_row_stats(LSE, DELTA, b, head, m, row_ok, HQ, Tq)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     vis = visible(e, n_ok, t, row_ok, WINDOW)

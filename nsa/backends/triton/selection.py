@@ -54,8 +54,8 @@ def _seq_bounds(CU_Q, CU_K, seq):
 def _sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
     """Key rows row.. row+BLOCK_S of head h through the TMA descriptor of a [Nk, H, D] tensor (block
     [BLOCK_S, 1, BD]). Unlike the masked pointer loads, rows outside the selected block (past t, past the
-    block, the previous or next sequence, j = -1) hold data, not zeros: every use masks their scores
-    to -inf / their p and ds to 0 first, so with finite keys and values the results are the same."""
+    block, the previous or next sequence, j = -1) hold data, not zeros: the forward masks their scores
+    to -inf (p = 0) before p @ v, so with finite keys and values the result is the same."""
     return tl.reshape(XD.load([row.to(tl.int32), h.to(tl.int32), 0]), [BLOCK_S, BD])
 
 
