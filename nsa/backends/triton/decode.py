@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ...dispatch import BRANCHES
 from . import tuning
-from .utils import DOT_MIN, LOG2E, default_scale, dot_precision, p2, poisoning
+from .utils import DOT_MIN, LOG2E, capability, default_scale, dot_precision, p2, poisoning
 
 try:  # grid dependency control (programmatic dependent launch, sm_90+): triton >= 3.4
     from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
@@ -397,7 +397,7 @@ def _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
 def pdl_supported(device=None) -> bool:
     """Programmatic dependent launch on ``device`` (default: the current CUDA device): triton's grid
     dependency control and a GPU of sm_90 or later."""
-    return HAS_GDC and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+    return HAS_GDC and torch.cuda.is_available() and capability(device)[0] >= 9
 
 
 def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: dict, device=None) -> dict:

@@ -475,7 +475,7 @@ def _meta(Dk, Dv, l_sel, block_s):
     return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16))
 
 
-def _kv_descriptors(tune, lay, k, v, l_sel):
+def _kv_descriptors(tune, k, v, l_sel):
     """TMA descriptors of k, v [Nk, H, D] for the query-outer forward's key tiles (its dq kernel keeps
     pointer loads, which timed faster there: BENCHMARKS.md), or (None, None) where
     ``tune["tma"]`` is off or the tensors do not qualify (``utils.tma_ok``; packed documents qualify:
@@ -514,7 +514,7 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
     if Nq == 0:
         return o, lse, plan
     if mode == "query":
-        kd, vd = _kv_descriptors(tune, lay, k, v, l_sel)
+        kd, vd = _kv_descriptors(tune, k, v, l_sel)
         _fwd_q_kernel[(Nq, H)](
             q, k, v, kd, vd, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -20,10 +20,11 @@ values of its forward.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Mapping
 
 import torch
+
+from .utils import capability
 
 # Keys every tiled attention forward has.
 _TILES: dict[str, tuple[Any, str]] = {
@@ -141,17 +142,11 @@ TABLES: dict[str, dict[str, dict[str, Any]]] = {"cuda": _CUDA, "interpret": _INT
 _OVERRIDES: dict[str, dict[str, Any]] = {}  # changed only by overrides()
 
 
-@functools.lru_cache(maxsize=None)
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
 def key(device: torch.device) -> str:
     """The table for tensors on ``device``: "interpret" off CUDA, "sm<cc>" where TABLES has one, else "cuda"."""
     if device.type != "cuda":
         return "interpret"
-    arch = _arch(torch.cuda.current_device() if device.index is None else device.index)
+    arch = "sm%d%d" % capability(device)
     return arch if arch in TABLES else "cuda"
 
 

@@ -7,6 +7,7 @@ time, so ``poisoned_outputs`` is importable where triton is not installed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 
@@ -19,6 +20,8 @@ LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: exp(x) = exp2(x
 # Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and
 # interpreted); later versions ask the target (the interpreter takes any size).
 DOT_MIN = 16 if triton_version() < (3, 1) else 1
+# Host-side TMA descriptors (triton.tools.tensor_descriptor) and their loads in kernels: triton 3.4+.
+HOST_DESCRIPTORS = triton_version() >= (3, 4)
 
 
 def p2(n: int, lo: int = 1) -> int:
@@ -40,6 +43,18 @@ def launch_options(tune: dict) -> dict:
     return opts
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device | int | None = None) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device (None or no index: the current one), queried
+    once per device: the launchers ask on every call."""
+    index = device.index if isinstance(device, torch.device) else device
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
 def tma_ok(on: bool | None, varlen, G: int, GP: int, *xs: torch.Tensor) -> bool:
     """Whether kernels load ``xs`` through TMA descriptors (block loads by the copy engine instead of
     per-element pointers): ``on`` (a ``tma`` tuning value; None: on sm_90+ and under the interpreter), a
@@ -48,8 +63,8 @@ def tma_ok(on: bool | None, varlen, G: int, GP: int, *xs: torch.Tensor) -> bool:
     (non-empty, unit last stride, 16-byte aligned base and strides)."""
     if on is None:
         dev = xs[0].device
-        on = dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] >= 9
-    return (bool(on) and triton_version() >= (3, 4) and varlen is None and G == GP
+        on = dev.type != "cuda" or capability(dev)[0] >= 9
+    return (bool(on) and HOST_DESCRIPTORS and varlen is None and G == GP
             and all(x.numel() > 0 and x.stride(-1) == 1 and x.data_ptr() % 16 == 0
                     and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) for x in xs))
 
