@@ -201,8 +201,8 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
         common = dict(H=H, G=G, BG=p["BG"], BDV=p["BDV"], PDL=pdl)
         launch = dict(launch_pdl=True) if pdl else {}
         topk = dict(LS=cfg.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local,
-                    BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"])
-        for fuse in (False, True):  # tuning.decode.fuse: the top-n (the combine) in the pass's last program
+                    NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"])
+        for fuse in (False, True):  # tuning.decode.mode=two: the top-n (the combine) in the pass's last program
             yield (f"dec cmp partial B{B}" + (" fused" if fuse else ""), decode._dec_cmp_partial,
                    dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
                         PREC="tf32", COUNT=False, SMALL_DOT=False, FUSE=fuse, **topk),
@@ -222,6 +222,27 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
                    dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, kw_ptr=bf, vw_ptr=bf, idx_ptr=i32, pos_ptr="*i64", pm_ptr=f32,
                         pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf, sem_ptr=i32), (),
                    dict(num_warps=p["warps"], **launch), ("qk_scale",))
+        mode3 = dict(H=H, G=G, DK=dk, DV=dv, L=cfg.l, D=cfg.d, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], PREC="tf32",
+                     COUNT=False, PDL=pdl)
+        yield (f"dec three: cmp+win B{B}", decode._dec_cw_partial,
+               dict(mode3, W=cfg.w, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
+                    NWC=p["nwc"], BLOCK_C=p["block_c"], BW=p["bw"], SMALL_DOT=False),
+               dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, kw_ptr=bf, vw_ptr=bf, pos_ptr="*i64", sc_ptr=f32, cm_ptr=f32,
+                    cl_ptr=f32, cacc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (),
+               dict(num_warps=p["warps"], **launch), ("qk_scale",))
+        yield (f"dec three: sel+top-n B{B}", decode._dec_sel_topn,
+               dict(mode3, LS=cfg.l_sel, N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, NSC=p["nsc"],
+                    NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"],
+                    BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"]),
+               dict(q_ptr=bf, ks_ptr=bf, vs_ptr=bf, pos_ptr="*i64", sc_ptr=f32, psum_ptr=f32, cm_ptr=f32, cl_ptr=f32,
+                    idx_ptr=i32,
+                    pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (),
+               dict(num_warps=p["sel_warps"], **launch), ("qk_scale",))
+        yield (f"dec three: combine B{B}", decode._dec_combine3,
+               dict(H=H, G=G, DV=dv, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
+                      PDL=pdl),
+               dict(cm_ptr=f32, cl_ptr=f32, cacc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, g_ptr=bf, out_ptr=bf),
+               (), dict(num_warps=p["warps"], **launch), ())
         yield (f"dec combine B{B}", decode._dec_combine,
                dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP=True, HAS_SEL=True, HAS_WIN=True),
                dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (),

@@ -50,33 +50,48 @@ def _reference_branches(cfg, cache, q, t):
 
 # (B, HQ, H, Dk, Dv, prefill, steps, config overrides, tuning)
 CASES = [
-    (1, 4, 2, 16, 8, 0, 20, {"l_sel": 4}, {"block_c": 4, "nsc": 2}),
+    (1, 4, 2, 16, 8, 0, 20, {"l_sel": 4}, {"block_c": 4, "nsc": 2, "mode": "four", "topn": "argmax"}),
     (3, 4, 1, 16, 16, 22, 11, {"n_sel": 4, "n_local": 2, "phi": "avg", "gate_hidden": 0},
-     {"block_c": 4, "nsc": 2}),
+     {"block_c": 4, "nsc": 2, "mode": "four", "topn": "argmax"}),
 ]
 IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
-# tuning.decode.fuse: the top-n and the combine run in the last program of their pass (two launches)
-CASES += [case[:-1] + ({**case[-1], "fuse": True},) for case in CASES]
-IDS += [i + "-fused" for i in IDS]
+FOUR = len(CASES)
+# tuning.decode.mode: two (the top-n and the combine run in the last program of their pass); three (the
+# window beside the compressed pass, the top-n in every selected-branch program; sel_per=2 with n_sel=3:
+# one program gets one slot and an empty one); topn: n_sel argmaxes (the base cases) or tl.topk (n_sel =
+# 3 and 4: k = 4)
+for mode, extra in (("two", {}), ("three", {}), ("three", {"sel_per": 2, "win_per": 2}), ("four", {"topn": "bitonic"}),
+                    ("three", {"topn": "bitonic"})):
+    CASES += [case[:-1] + ({**case[-1], "mode": mode, **extra},) for case in CASES[:FOUR]]
+    IDS += [f"{i}-{mode}" + "".join(f"-{k}{v}" for k, v in extra.items()) for i in IDS[:FOUR]]
 
 
-@pytest.fixture
-def unfused_kernels_refused(monkeypatch):
-    """The stand-alone top-n and combine kernels raise if launched: a fused step must not need them."""
+# The kernels a launch mode must not need: they raise if launched.
+NOT_LAUNCHED = {"four": (), "two": ("_dec_cmp_topk", "_dec_combine"),
+                "three": ("_dec_cmp_partial", "_dec_cmp_topk", "_dec_sv_partial", "_dec_combine")}
+
+
+def _refuse(monkeypatch, mode):
     from nsa.backends.triton import decode as kernels
 
     class Refused:
-        def __getitem__(self, grid):
-            raise AssertionError("the fused step launched a stand-alone top-n or combine kernel")
+        def __init__(self, name):
+            self.name = name
 
-    monkeypatch.setattr(kernels, "_dec_cmp_topk", Refused())
-    monkeypatch.setattr(kernels, "_dec_combine", Refused())
+        def __getitem__(self, grid):
+            raise AssertionError(f"mode {mode} launched {self.name}")
+
+    for name in NOT_LAUNCHED[mode]:
+        monkeypatch.setattr(kernels, name, Refused(name))
 
 
 @pytest.mark.parametrize("B,HQ,H,Dk,Dv,P,steps,over,over_tuning", CASES, ids=IDS)
-def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, over_tuning, request):
-    if over_tuning.get("fuse"):
-        request.getfixturevalue("unfused_kernels_refused")
+def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, over, over_tuning, monkeypatch):
+    import triton
+
+    if over_tuning.get("topn") == "bitonic" and not hasattr(triton.language, "topk"):
+        pytest.skip(f"tuning.decode.topn=bitonic needs tl.topk (triton >= 3.3); triton {triton.__version__}")
+    _refuse(monkeypatch, over_tuning["mode"])
     torch.manual_seed(0)
     cfg = _cfg(HQ, H, Dk, Dv, **over)
     m = NSAAttention(cfg).eval()
@@ -88,7 +103,8 @@ def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, 
     with tuning.overrides({"decode": over_tuning}):
         dec = GraphDecoder(m, cache)
     p = dec.kernel_params()
-    assert p["nsc"] >= 2 and p["ns_sel"] >= 2  # split-KV partials are combined
+    assert p["mode"] == over_tuning["mode"]
+    assert p["nsc"] >= 2 and p["ns_sel"] >= 2 and p["topn"] == over_tuning["topn"]
     if P:
         dec.prefill(x[:, :P])
         with torch.no_grad():
@@ -104,16 +120,17 @@ def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, 
         # the top-n of the fused kernel equals the reference's (ties to the lower index, forcing)
         _, idx = _reference_branches(cfg, cref, dec.last["q"], t)
         assert torch.equal(dec.indices(), idx), f"t={t}: {dec.indices().tolist()} vs {idx.tolist()}"
-    assert p["fuse"] is bool(over_tuning.get("fuse")) and not dec._kernels.sem.any()  # counts back at zero
+    assert not dec._kernels.sem.any()  # counts back at zero
     # emitted compressed tokens equal the module's (the scratch row took the non-emitting steps)
     nc = cfg.n_cmp(T)
     torch.testing.assert_close(cache.k_cmp[:, :nc], cref.k_cmp[:, :nc], **TOL)
     torch.testing.assert_close(cache.v_cmp[:, :nc], cref.v_cmp[:, :nc], **TOL)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["four-launches", "fused"])
-def test_forced_branches_and_token_counts(fuse):
-    """One branch at a time (the four-kernel path, whatever fuse says) adds up to the whole step, and
+@pytest.mark.parametrize("tune", [{"mode": "four"}, {"mode": "two"}, {"mode": "three"}],
+                         ids=["four-launches", "two", "three"])
+def test_forced_branches_and_token_counts(tune):
+    """One branch at a time (the four-kernel path, whatever the mode) adds up to the whole step, and
     the kernels' token counters agree with a count from the indices."""
     torch.manual_seed(1)
     cfg = _cfg(4, 2, 16, 16, n_sel=3, n_local=1)
@@ -121,7 +138,7 @@ def test_forced_branches_and_token_counts(fuse):
     B, T = 2, 46
     x = torch.randn(B, T, cfg.dim) * 2
     cache = m.new_cache(B, T)
-    with tuning.overrides({"decode": {"block_c": 4, "nsc": 2, "fuse": fuse}}):
+    with tuning.overrides({"decode": {"block_c": 4, "nsc": 2, **tune}}):
         dec = GraphDecoder(m, cache)
     dec.prefill(x[:, :T - 1])
     t = T - 1

@@ -1,7 +1,10 @@
 """Triton kernels of the NSA decode step (one query per sequence) and their launcher.
 
-Four launches per step, all reading the query position from device memory (``pos_ptr``) and using
-fixed grids and preallocated workspaces, so that one CUDA graph serves every step:
+Every launch reads the query positions from device memory (``pos_ptr``: one for the batch, or one per
+sequence for ragged batches) and uses fixed grids and preallocated workspaces, so that one CUDA graph
+serves every step. ``tuning.decode.mode`` picks the launches of a step:
+
+``four`` (B*H fills the SMs, or more than 512 selection blocks):
 
 1. ``_dec_cmp_partial``  grid (B*H, NSC): split-KV compressed attention. Each program takes a
    slice of the visible compressed tokens (the slice length follows the position), computes the
@@ -9,29 +12,39 @@ fixed grids and preallocated workspaces, so that one CUDA graph serves every ste
    writes its flash-decoding partial (running max m, sum l, unnormalized acc).
 2. ``_dec_cmp_topk``     grid (B*H,): combines the partials into o_cmp, turns the scratch scores
    into p_cmp (exactly softmax over the visible tokens), sums over the group (Eq. 10), weights by
-   the block-aligned overlap (Eq. 9), forces initial/local blocks and takes the top-n by n_sel
-   iterative argmaxes in registers (ties to the lower index, Eqs. 11-12). Indices are written
-   ascending, -1 padded.
+   the block-aligned overlap (Eq. 9), forces initial/local blocks and takes the top-n (Eqs. 11-12,
+   ties to the lower index; ``tuning.decode.topn``: a bitonic top-k, ``tl.topk``, where triton has
+   it, else n_sel dependent argmaxes: the same blocks). Indices are written ascending, -1 padded.
 3. ``_dec_sv_partial``   grid (B*H, NS_SEL + NS_WIN): split-KV attention over the selected blocks
    (splits 0..NS_SEL-1) and over the window tokens (the rest), flash-decoding partials.
 4. ``_dec_combine``      grid (B*H,): combines the sel partials and the win partials separately,
    applies the gates and adds g_cmp * o_cmp.
 
-On sm_90+ (``tuning.decode.pdl``) the four launch with programmatic dependent launch: each kernel's
+``three`` (the default on a GPU while B*H*n_sel programs fit the SMs: the step is bound by latency, not
+bytes):
+
+1. ``_dec_cw_partial``   grid (B*H, NSC + NS_WIN): the compressed pass's splits and, beside them,
+   the window's (the window needs no top-n).
+2. ``_dec_sel_topn``     grid (B*H, NS_SEL): every program merges the compressed statistics, picks the
+   group's top-n itself (the same blocks in each: no program waits for another) and attends to its
+   selected blocks.
+3. ``_dec_combine3``     grid (B*H,): merges the three branches' partials and applies the gates.
+
+``two`` (slower on the H100, BENCHMARKS.md): four's kernels in two launches, the program of a group
+that finishes its pass last (an atomic count per group, released and acquired at GPU scope) running
+step 2 after step 1, and step 4 after step 3, itself.
+
+On sm_90+ (``tuning.decode.pdl``) the kernels launch with programmatic dependent launch: each kernel's
 programs are launched while the previous kernel runs and wait for it (``griddepcontrol.wait``) before
 reading anything, so no launch latency lies between them; outputs are bit-identical to serial launches
 (tests/test_decode_gpu.py).
-
-With ``tuning.decode.fuse`` (off by default: slower on the H100, BENCHMARKS.md) the whole step takes
-two launches: the program of a group that finishes its pass last (an atomic count per group, released
-and acquired at GPU scope) runs step 2 after step 1, and step 4 after step 3, itself.
 
 Optional counters (COUNT): every program adds the number of tokens whose keys/values it loaded to
 ``cnt[b*H + h, branch]`` (branch 0 cmp, 1 sel, 2 win): counted from the load masks themselves.
 
 :class:`DecodeKernels` owns the workspaces for one (batch, cache size) and runs
 ``attend(q, gates, ...)`` over the caches it is given (``nsa.decode.GraphDecoder`` gets it from the
-dispatch). Branch subsets (``branches``) run only the kernels of those branches, so each can be
+dispatch). Branch subsets (``branches``) run only mode four's kernels of those branches, so each can be
 timed alone. Launch parameters: ``tuning.params("decode")``.
 """
 
@@ -54,6 +67,7 @@ except ImportError:  # the kernels reach these only with PDL=True, which pdl_sup
     gdc_wait = gdc_launch_dependents = None
 
 NEG = tl.constexpr(-1.0e30)
+HAS_TOPK = hasattr(tl, "topk")  # a bitonic top-k in triton.language (3.3+)
 
 
 @triton.jit
@@ -90,7 +104,7 @@ def _group_rows(x_ptr, b, h, stride_b, stride_h, offs_g, offs_d, gmask, G: tl.co
 
 
 @triton.jit
-def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
                      psum_ptr, ocmp_ptr, idx_ptr, sem_ptr,
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      qk_scale, TCS,
@@ -99,8 +113,8 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
                      BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr,
                      PREC: tl.constexpr, COUNT: tl.constexpr, SMALL_DOT: tl.constexpr, PDL: tl.constexpr,
                      LS: tl.constexpr, NSC_PAD: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr,
-                     N_LOCAL: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
-                     FUSE: tl.constexpr):
+                     N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr, BLOCK_T: tl.constexpr,
+                     TOPK: tl.constexpr, FUSE: tl.constexpr):
     # FUSE: the last of a group's NSC programs to finish runs the top-n step (_cmp_topk) itself, so the
     # step needs no launch of _dec_cmp_topk; the arguments after PDL serve only it.
     _pdl_enter(PDL)
@@ -110,8 +124,29 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
     sp = tl.program_id(1)
     b = bh // H
     h = bh % H
-    t = tl.load(pos_ptr).to(tl.int32)
+    t = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
     n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)  # compressed tokens i with i*d + l - 1 <= t
+    offs_g = tl.arange(0, BG)
+    gmask = offs_g < G
+    q = _group_rows(q_ptr, b, h, stride_qb, stride_qh, offs_g, tl.arange(0, BDK), gmask, G, DK)
+    _cmp_split(q, kc_ptr, vc_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, bh, sp, b, h, n_vis,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, TCS, G, DK, DV, NSC,
+               BG, BDK, BDV, BLOCK_C, PREC, COUNT, SMALL_DOT)
+    if FUSE:
+        if _last_to_arrive(sem_ptr + bh, NSC):
+            _cmp_topk(bh, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS, H, G,
+                      DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, NB_PAD, BSEL, BLOCK_T, TOPK, True)
+
+
+@triton.jit
+def _cmp_split(q, kc_ptr, vc_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, bh, sp, b, h, n_vis,
+               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, TCS,
+               G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, NSC: tl.constexpr, BG: tl.constexpr,
+               BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr, COUNT: tl.constexpr,
+               SMALL_DOT: tl.constexpr):
+    """Split sp of NSC of group bh's compressed pass: its slice of the visible compressed tokens, their
+    scores kept in the group's scratch row (log2 domain, for the top-n), and its flash-decoding
+    partial (m, l, acc) at partial row bh*NSC + sp."""
     chunk = tl.cdiv(tl.cdiv(n_vis, NSC), BLOCK_C) * BLOCK_C
     c0 = sp * chunk
     c1 = tl.minimum(c0 + chunk, n_vis)
@@ -120,7 +155,6 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
     offs_dv = tl.arange(0, BDV)
     offs_c = tl.arange(0, BLOCK_C)
     gmask = offs_g < G
-    q = _group_rows(q_ptr, b, h, stride_qb, stride_qh, offs_g, offs_dk, gmask, G, DK)
     k_base = kc_ptr + b * stride_kb + h * stride_kh
     v_base = vc_ptr + b * stride_vb + h * stride_vh
     s_base = sc_ptr + bh * G * TCS
@@ -155,33 +189,32 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pac
     tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + 0, tl.maximum(c1 - c0, 0))
-    if FUSE:
-        if _last_to_arrive(sem_ptr + bh, NSC):
-            _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS, H, G, DV, L, D,
-                      LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, BLOCK_T, NB_PAD, BSEL, True)
 
 
 @triton.jit
-def _dec_cmp_topk(pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
+def _dec_cmp_topk(pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
                   H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
                   L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
                   N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-                  BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
-                  BSEL: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
+                  BG: tl.constexpr, BDV: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
+                  BLOCK_T: tl.constexpr, TOPK: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
-    _cmp_topk(tl.program_id(0).to(tl.int64), pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr,
-              TCS, H, G, DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, BLOCK_T, NB_PAD, BSEL, DO_TOPK)
+    _cmp_topk(tl.program_id(0).to(tl.int64), pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
+              idx_ptr, TCS, H, G, DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, NB_PAD, BSEL, BLOCK_T, TOPK,
+              DO_TOPK)
 
 
 @triton.jit
-def _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
+def _cmp_topk(bh, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
               H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
               L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
               N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-              BG: tl.constexpr, BDV: tl.constexpr, BLOCK_T: tl.constexpr, NB_PAD: tl.constexpr,
-              BSEL: tl.constexpr, DO_TOPK: tl.constexpr):
+              BG: tl.constexpr, BDV: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
+              BLOCK_T: tl.constexpr, TOPK: tl.constexpr, DO_TOPK: tl.constexpr):
     """Group bh's compressed output from the NSC split partials, and (DO_TOPK) its top-n blocks."""
-    t = tl.load(pos_ptr).to(tl.int32)
+    b = bh // H
+    h = bh % H
+    t = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
     n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
     offs_g = tl.arange(0, BG)
     offs_dv = tl.arange(0, BDV)
@@ -201,59 +234,88 @@ def _cmp_topk(bh, pos_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
         acc += tl.load(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :]) * w[:, None]
     Lsafe = tl.where(Lsum > 0, Lsum, 1.0)
     o = tl.where(Lsum[:, None] > 0, acc / Lsafe[:, None], 0.0)  # no visible token: o_cmp = 0
-    b = bh // H
-    h = bh % H
     tl.store(ocmp_ptr + (b * (H * G) + h * G + offs_g)[:, None] * DV + offs_dv[None, :], o,
              mask=gmask[:, None] & (offs_dv[None, :] < DV))
     if DO_TOPK:
-        # ---- Eq. 10 first (Eq. 9's weights do not depend on the head): P[i] = sum_g p_cmp[g, i]
-        offs_t = tl.arange(0, BLOCK_T)
-        s_base = sc_ptr + bh * G * TCS
-        psum_base = psum_ptr + bh * TCS
-        for i0 in range(0, n_vis, BLOCK_T):
-            ii = i0 + offs_t
-            s = tl.load(s_base + offs_g[:, None] * TCS + ii[None, :],
-                        mask=gmask[:, None] & (ii[None, :] < n_vis), other=float("-inf"))
-            p = tl.exp2(s - M[:, None]) / Lsafe[:, None]
-            tl.store(psum_base + ii, tl.sum(p, 0), mask=ii < n_vis)
-        tl.debug_barrier()
-        # ---- Eq. 9 (block-aligned): score[j] = sum_i P[i] * |[i*d, i*d+l) ∩ [j*ls, (j+1)*ls)| / d
-        R: tl.constexpr = LS // D
-        NL: tl.constexpr = L // D
-        j = tl.arange(0, NB_PAD)
-        score = tl.zeros([NB_PAD], tl.float32)
-        for k in tl.static_range(R + NL - 1):
-            i = R * j + (k - (NL - 1))
-            ok = (i >= 0) & (i < n_vis)
-            pv = tl.load(psum_base + i, mask=ok, other=0.0)
-            lo = tl.maximum(i * D, j * LS)
-            hi = tl.minimum(i * D + L, (j + 1) * LS)
-            wgt = (tl.maximum(hi - lo, 0) // D).to(tl.float32)
-            score += tl.where(ok, wgt * pv, 0.0)
-        # ---- Eqs. 11-12 with forcing: n_sel iterative argmaxes, ties to the lower index
-        last = t // LS
-        cand = j <= last
-        forced = cand & ((j < N_INIT) | (j > last - N_LOCAL))
-        val = tl.where(forced, float("inf"), score)  # >= 0 (or +inf): its bits order like the values
-        # one int64 max per pick: (value bits, NB_PAD-1-j) -> the largest value, ties to the lower j
-        key = (val.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
-        key = tl.where(cand, key, -1)
+        _topn(t, n_vis, sc_ptr + bh * G * TCS, psum_ptr + bh * TCS, idx_ptr + bh * N_SEL, M, Lsafe, offs_g, gmask,
+              TCS, L, D, LS, N_SEL, N_INIT, N_LOCAL, NB_PAD, BSEL, BLOCK_T, TOPK)
+
+
+@triton.jit
+def _topn(t, n_vis, s_base, psum_base, idx_base, M, Lsafe, offs_g, gmask, TCS, L: tl.constexpr, D: tl.constexpr,
+          LS: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr,
+          BSEL: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr):
+    """The top-n blocks (_pick) written ascending to ``idx_base[0:N_SEL]``, -1 padded."""
+    j, chosen, rank = _pick(t, n_vis, s_base, psum_base, M, Lsafe, offs_g, gmask, TCS, L, D, LS, N_SEL, N_INIT,
+                            N_LOCAL, NB_PAD, BLOCK_T, TOPK)
+    _store_indices(idx_base, j, chosen, rank, N_SEL, BSEL)
+
+
+@triton.jit
+def _store_indices(idx_base, j, chosen, rank, N_SEL: tl.constexpr, BSEL: tl.constexpr):
+    tl.store(idx_base + rank, j, mask=chosen)
+    cnt = tl.sum(chosen.to(tl.int32), 0)
+    ks = tl.arange(0, BSEL)
+    tl.store(idx_base + ks, tl.full([BSEL], -1, tl.int32), mask=(ks >= cnt) & (ks < N_SEL))
+
+
+@triton.jit
+def _pick(t, n_vis, s_base, psum_base, M, Lsafe, offs_g, gmask, TCS, L: tl.constexpr, D: tl.constexpr,
+          LS: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr,
+          BLOCK_T: tl.constexpr, TOPK: tl.constexpr):
+    """The top-n blocks of the query at t from its group's compressed scores ``s_base`` ([G, TCS], log2
+    domain) and each head's softmax max M / normalizer Lsafe (Eqs. 9-12): (j, chosen, rank) over the
+    NB_PAD blocks j, rank = the chosen block's place in ascending order. ``psum_base``: a [TCS]
+    scratch row. TOPK: 0, n_sel dependent argmaxes; else a bitonic top-TOPK (``tl.topk``, a power of
+    two >= n_sel)."""
+    # ---- Eq. 10 first (Eq. 9's weights do not depend on the head): P[i] = sum_g p_cmp[g, i]
+    offs_t = tl.arange(0, BLOCK_T)
+    for i0 in range(0, n_vis, BLOCK_T):
+        ii = i0 + offs_t
+        s = tl.load(s_base + offs_g[:, None] * TCS + ii[None, :],
+                    mask=gmask[:, None] & (ii[None, :] < n_vis), other=float("-inf"))
+        p = tl.exp2(s - M[:, None]) / Lsafe[:, None]
+        tl.store(psum_base + ii, tl.sum(p, 0), mask=ii < n_vis)
+    tl.debug_barrier()
+    # ---- Eq. 9 (block-aligned): score[j] = sum_i P[i] * |[i*d, i*d+l) ∩ [j*ls, (j+1)*ls)| / d
+    R: tl.constexpr = LS // D
+    NL: tl.constexpr = L // D
+    j = tl.arange(0, NB_PAD)
+    score = tl.zeros([NB_PAD], tl.float32)
+    for k in tl.static_range(R + NL - 1):
+        i = R * j + (k - (NL - 1))
+        ok = (i >= 0) & (i < n_vis)
+        pv = tl.load(psum_base + i, mask=ok, other=0.0)
+        lo = tl.maximum(i * D, j * LS)
+        hi = tl.minimum(i * D + L, (j + 1) * LS)
+        wgt = (tl.maximum(hi - lo, 0) // D).to(tl.float32)
+        score += tl.where(ok, wgt * pv, 0.0)
+    # ---- Eqs. 11-12 with forcing: n_sel iterative argmaxes, ties to the lower index
+    last = t // LS
+    cand = j <= last
+    forced = cand & ((j < N_INIT) | (j > last - N_LOCAL))
+    val = tl.where(forced, float("inf"), score)  # >= 0 (or +inf): its bits order like the values
+    # one int64 max per pick: (value bits, NB_PAD-1-j) -> the largest value, ties to the lower j
+    key = (val.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (NB_PAD - 1 - j).to(tl.int64)
+    key = tl.where(cand, key, -1)
+    if TOPK > 0:
+        # the largest keys by a bitonic top-k, then block j is chosen iff its key is at least the n_sel-th
+        # largest (keys are distinct: they hold j)
+        top = tl.topk(key, TOPK)
+        kth = tl.min(tl.where(tl.arange(0, TOPK) < N_SEL, top, 2**62), 0)
+        chosen = (key >= kth) & (key >= 0)
+    else:
         chosen = j < 0
         for _ in tl.static_range(N_SEL):
             mx = tl.max(key, 0)
             hit = (key == mx) & (key >= 0)
             chosen = chosen | hit
             key = tl.where(hit, -1, key)
-        ci = chosen.to(tl.int32)
-        rank = tl.cumsum(ci, 0) - 1  # ascending order of the chosen blocks
-        tl.store(idx_ptr + bh * N_SEL + rank, j, mask=chosen)
-        cnt = tl.sum(ci, 0)
-        ks = tl.arange(0, BSEL)
-        tl.store(idx_ptr + bh * N_SEL + ks, tl.full([BSEL], -1, tl.int32), mask=(ks >= cnt) & (ks < N_SEL))
+    return j, chosen, tl.cumsum(chosen.to(tl.int32), 0) - 1
 
 
 @triton.jit
-def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, stride_pos, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
                     ocmp_ptr, g_ptr, out_ptr, sem_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                     stride_qb, stride_qh,
                     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
@@ -274,7 +336,7 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
     sp = tl.program_id(1) + SPLIT_OFF
     b = bh // H
     h = bh % H
-    t = tl.load(pos_ptr).to(tl.int32)
+    t = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
     offs_g = tl.arange(0, BG)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
@@ -335,6 +397,173 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, pm_
         if _last_to_arrive(sem_ptr + bh, NS_TOT):
             _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                      H, G, DV, NS_SEL, NS_TOT, True, True, True, BG, BDV)
+
+
+@triton.jit
+def _win_split(q, kw_base, vw_base, t, wi, skt, svt, qk_scale, DK: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+               WIN_PER: tl.constexpr, NWC: tl.constexpr, BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+               BW: tl.constexpr, PREC: tl.constexpr):
+    """Window split wi: its WIN_PER tiles of BW tokens of [t-w+1, t] -> (m, l, acc, tokens read)."""
+    offs = tl.arange(0, BW)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    ws = tl.maximum(t - W + 1, 0)
+    m_i = tl.full([BG], NEG, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    n_read = t * 0
+    for it in range(WIN_PER):
+        c = wi * WIN_PER + it
+        tok = ws + c * BW + offs
+        tmask = (tok <= t) & (c < NWC)
+        kT = tl.load(kw_base + tok[None, :] * skt + offs_dk[:, None],
+                     mask=tmask[None, :] & (offs_dk[:, None] < DK), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(vw_base + tok[:, None] * svt + offs_dv[None, :],
+                    mask=tmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        n_read += tl.sum(tmask.to(tl.int32), 0)
+    return m_i, l_i, acc, n_read
+
+
+@triton.jit
+def _store_partial(pm_ptr, pl_ptr, pacc_ptr, row, m_i, l_i, acc, BG: tl.constexpr, BDV: tl.constexpr):
+    offs_g = tl.arange(0, BG)
+    tl.store(pm_ptr + row * BG + offs_g, m_i)
+    tl.store(pl_ptr + row * BG + offs_g, l_i)
+    tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + tl.arange(0, BDV)[None, :], acc)
+
+
+@triton.jit
+def _dec_cw_partial(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, stride_pos, sc_ptr, cm_ptr, cl_ptr, cacc_ptr,
+                    pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                    stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh, qk_scale, TCS,
+                    H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
+                    D: tl.constexpr, W: tl.constexpr, NSC: tl.constexpr, NS_SEL: tl.constexpr, NS_TOT: tl.constexpr,
+                    WIN_PER: tl.constexpr, NWC: tl.constexpr, BG: tl.constexpr, BDK: tl.constexpr,
+                    BDV: tl.constexpr, BLOCK_C: tl.constexpr, BW: tl.constexpr, PREC: tl.constexpr,
+                    COUNT: tl.constexpr, SMALL_DOT: tl.constexpr, PDL: tl.constexpr):
+    """Launch 1 of 3 (mode "three"): splits 0..NSC-1 of the compressed pass (_cmp_split) and, beside
+    them, the window splits (their partials at rows NS_SEL.. of the selected/window partials): the
+    window needs no top-n, so it runs while the compressed scores are computed."""
+    _pdl_enter(PDL)
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+    offs_g = tl.arange(0, BG)
+    gmask = offs_g < G
+    q = _group_rows(q_ptr, b, h, stride_qb, stride_qh, offs_g, tl.arange(0, BDK), gmask, G, DK)
+    if sp < NSC:
+        n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+        _cmp_split(q, kc_ptr, vc_ptr, sc_ptr, cm_ptr, cl_ptr, cacc_ptr, cnt_ptr, bh, sp, b, h, n_vis,
+                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, TCS, G, DK, DV, NSC,
+                   BG, BDK, BDV, BLOCK_C, PREC, COUNT, SMALL_DOT)
+    else:
+        wi = sp - NSC
+        m_i, l_i, acc, n_read = _win_split(q, kw_ptr + b * stride_kwb + h * stride_kwh,
+                                           vw_ptr + b * stride_vwb + h * stride_vwh, t, wi, stride_kwt, stride_vwt,
+                                           qk_scale, DK, DV, W, WIN_PER, NWC, BG, BDK, BDV, BW, PREC)
+        _store_partial(pm_ptr, pl_ptr, pacc_ptr, bh * NS_TOT + NS_SEL + wi, m_i, l_i, acc, BG, BDV)
+        if COUNT:
+            tl.atomic_add(cnt_ptr + bh * 3 + 2, n_read)
+
+
+@triton.jit
+def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, cm_ptr, cl_ptr, idx_ptr, pm_ptr, pl_ptr,
+                  pacc_ptr, cnt_ptr, stride_qb, stride_qh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+                  stride_vsh, qk_scale, TCS,
+                  H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
+                  D: tl.constexpr, LS: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr,
+                  N_LOCAL: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr, SEL_PER: tl.constexpr,
+                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr, BLOCK_T: tl.constexpr, TOPK: tl.constexpr,
+                  BG: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BLS: tl.constexpr,
+                  NB_PAD: tl.constexpr, BSEL: tl.constexpr, PREC: tl.constexpr, COUNT: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Launch 2 of 3 (mode "three"): each program of a group merges the compressed pass's softmax
+    statistics, picks the group's top-n blocks itself (the same blocks in every program: no program
+    waits for another; program 0 writes them to ``idx``) and attends to its SEL_PER of them (Eq. 6),
+    writing a partial at row sp."""
+    _pdl_enter(PDL)
+    bh = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    t = tl.load(pos_ptr + b * stride_pos).to(tl.int32)
+    n_vis = tl.where(t + 1 >= L, (t + 1 - L) // D + 1, 0)
+    offs_g = tl.arange(0, BG)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    gmask = offs_g < G
+    q = _group_rows(q_ptr, b, h, stride_qb, stride_qh, offs_g, offs_dk, gmask, G, DK)
+    offs_s = tl.arange(0, NSC_PAD)
+    prow = (bh * NSC + offs_s)[:, None] * BG + offs_g[None, :]
+    ms = tl.load(cm_ptr + prow, mask=offs_s[:, None] < NSC, other=NEG)
+    M = tl.max(ms, 0)
+    Lsum = tl.sum(tl.load(cl_ptr + prow, mask=offs_s[:, None] < NSC, other=0.0) * tl.exp2(ms - M[None, :]), 0)
+    j, chosen, rank = _pick(t, n_vis, sc_ptr + bh * G * TCS, psum_ptr + (bh * NS_SEL + sp) * TCS, M,
+                            tl.where(Lsum > 0, Lsum, 1.0), offs_g, gmask, TCS, L, D, LS, N_SEL, N_INIT, N_LOCAL,
+                            NB_PAD, BLOCK_T, TOPK)
+    if sp == 0:
+        _store_indices(idx_ptr + bh * N_SEL, j, chosen, rank, N_SEL, BSEL)
+    ks_base = ks_ptr + b * stride_ksb + h * stride_ksh
+    vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
+    offs = tl.arange(0, BLS)
+    m_i = tl.full([BG], NEG, tl.float32)
+    l_i = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BDV], tl.float32)
+    n_read = t * 0
+    for ksl in range(SEL_PER):
+        hit = chosen & (rank == sp * SEL_PER + ksl)  # the slot's block, straight from the registers
+        jb = tl.where(tl.sum(hit.to(tl.int32), 0) > 0, tl.sum(tl.where(hit, j, 0), 0), -1)
+        tok = jb * LS + offs
+        tmask = (jb >= 0) & (offs < LS) & (tok <= t)
+        kT = tl.load(ks_base + tok[None, :] * stride_kst + offs_dk[:, None],
+                     mask=tmask[None, :] & (offs_dk[:, None] < DK), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC) * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        v = tl.load(vs_base + tok[:, None] * stride_vst + offs_dv[None, :],
+                    mask=tmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        n_read += tl.sum(tmask.to(tl.int32), 0)
+    _store_partial(pm_ptr, pl_ptr, pacc_ptr, bh * NS_TOT + sp, m_i, l_i, acc, BG, BDV)
+    if COUNT:
+        tl.atomic_add(cnt_ptr + bh * 3 + 1, n_read)
+
+
+@triton.jit
+def _dec_combine3(cm_ptr, cl_ptr, cacc_ptr, pm_ptr, pl_ptr, pacc_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
+                  stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, NSC: tl.constexpr,
+                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
+    """Launch 3 of 3 (mode "three"): o = sum over branches of g_c * (merge of branch c's partials)."""
+    _pdl_enter(PDL)
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs_g = tl.arange(0, BG)
+    offs_dv = tl.arange(0, BDV)
+    heads = h * G + offs_g
+    gmask = offs_g < G
+    g_base = g_ptr + b * stride_gb + heads * stride_gh
+    o = tl.zeros([BG, BDV], tl.float32)
+    o = _add_merged(o, g_base, gmask, cm_ptr, cl_ptr, cacc_ptr, bh, offs_g, offs_dv, 0, 0, NSC, NSC, BG, BDV)
+    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 1, 0, NS_SEL, NS_TOT, BG, BDV)
+    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 2, NS_SEL, NS_TOT, NS_TOT, BG, BDV)
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
@@ -427,12 +656,29 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
     elif pdl and not (gpu and pdl_supported(device)):
         raise ValueError("tuning.decode.pdl=True: programmatic dependent launch needs a CUDA GPU of sm_90 or later "
                          f"and triton >= 3.4 (here: {'triton without gdc' if not HAS_GDC else 'no such GPU'})")
-    return dict(pdl=pdl, fuse=tune["fuse"], BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
-                block_c=block_c, nsc=nsc,
-                NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2), BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc,
-                sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per), win_per=win_per, ns_sel=ns_sel,
-                ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"], topk_warps=tune["topk_warps"],
-                block_t=tune["block_t"])
+    topn = tune["topn"]
+    if topn == "auto":
+        # bitonic, except for many groups over long caches, where its longer program costs more than the
+        # n_sel argmaxes (H100, h200bench: B=32 at 64k 0.207 ms with argmaxes vs 0.223; B=1 at 64k 30.7 us
+        # with the bitonic top-k vs 33.3; B=256 at 8k 0.459 vs 0.468 ms: BENCHMARKS.md "Decode at B=1")
+        long_many = p2(c.n_blocks(max_len), 16) >= 1024 and B * H >= 32
+        topn = "bitonic" if HAS_TOPK and not long_many else "argmax"
+    elif topn == "bitonic" and not HAS_TOPK:
+        raise ValueError(f"tuning.decode.topn=bitonic: needs tl.topk (triton >= 3.3), not in triton {triton.__version__}")
+    mode = tune["mode"]
+    if mode == "auto":
+        # three launches where its selected-branch programs, each picking the group's top-n again, fit on
+        # SMs that would idle otherwise (B*H*n_sel <= n_sm: launch- and latency-bound steps), up to 512
+        # selection blocks (32k tokens at l_sel=64); four elsewhere (H100, BENCHMARKS.md "Decode at B=1")
+        mode = "three" if gpu and B * H * c.n_sel <= n_sm and c.n_blocks(max_len) <= 512 else "four"
+    if mode == "three" and tune["nsc"] is None and gpu:
+        nsc = max(1, min(-(-TCS // block_c), 8))  # one tile of the compressed pass a split, at most 8
+    return dict(pdl=pdl, mode=mode, BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
+                block_c=block_c, nsc=nsc, NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2),
+                BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc, sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per),
+                win_per=win_per, ns_sel=ns_sel, ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"],
+                topk_warps=tune["topk_warps"], sel_warps=tune["sel_warps"] or tune["warps"], block_t=tune["block_t"],
+                topn=topn, topk=0 if topn == "argmax" else min(p2(c.n_sel), p2(c.n_blocks(max_len), 16)))
 
 
 class DecodeKernels:
@@ -454,10 +700,10 @@ class DecodeKernels:
         f32 = {"device": device, "dtype": torch.float32}
         BH = B * H
         self.scores = torch.empty(BH, G, p["TCS"], **f32)
-        self.psum = torch.empty(BH, p["TCS"], **f32)
         self.cm = torch.empty(BH, p["nsc"], p["BG"], **f32)
         self.cl = torch.empty(BH, p["nsc"], p["BG"], **f32)
         self.cacc = torch.empty(BH, p["nsc"], p["BG"], p["BDV"], **f32)
+        self.psum = torch.empty(BH, p["TCS"], **f32)
         self.o_cmp = torch.zeros(B, c.n_heads, c.d_v, **f32)
         self.sm = torch.empty(BH, p["ns_tot"], p["BG"], **f32)
         self.sl = torch.empty(BH, p["ns_tot"], p["BG"], **f32)
@@ -466,11 +712,24 @@ class DecodeKernels:
         self.counts = torch.zeros(BH, 3, device=device, dtype=torch.int32)
         self.sem = torch.zeros(2, BH, device=device, dtype=torch.int32)  # fused steps: programs done per group
         self.out = torch.empty(B, c.n_heads, c.d_v, device=device, dtype=dtype)
+        if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
+            self.sel_psum = torch.empty(BH * p["ns_sel"], p["TCS"], **f32)
+        if p["mode"] == "one":  # per program: scores and top-n; per group: the partials
+            NP, NS = BH * p["splits"], p["splits"]
+            self.op_scores = torch.empty(NP, G, p["TCS"], **f32)
+            self.op_psum = torch.empty(NP, p["TCS"], **f32)
+            self.op_idx = torch.empty(NP, c.n_sel, device=device, dtype=torch.int32)
+            self.op_m = torch.empty(BH, 2 * NS, p["BG"], **f32)
+            self.op_l = torch.empty(BH, 2 * NS, p["BG"], **f32)
+            self.op_acc = torch.empty(BH, 2 * NS, p["BG"], p["BDV"], **f32)
+            self.op_cacc = torch.empty(NP, p["BG"], p["BDV"], **f32)
+            self.op_sem = torch.zeros(BH, device=device, dtype=torch.int32)
 
     # ------------------------------------------------------------------------------------------
     def attend(self, q, gates, pos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, *, scale=None,
                branches=("cmp", "sel", "win"), combine=True, combine_branches=None, count=False, topk=True):
-        """One decode step's attention for the query at position ``pos`` (a device int tensor [1]).
+        """One decode step's attention for the queries at positions ``pos``: a device int tensor, [1]
+        (every sequence at the same position) or [B] (each sequence at its own: ragged batches).
 
         q ``[B,HQ,Dk]`` (rows contiguous), gates ``[B,HQ,3]``, caches ``[B,*,H,D]`` (any strides
         with unit stride on D). Returns ``out [B,HQ,Dv]`` = sum over ``branches`` of g_b * o_b
@@ -488,19 +747,26 @@ class DecodeKernels:
         # PDL is a constexpr of every kernel; launch_pdl (the launch attribute) exists only compiled
         pdl = dict(PDL=True, launch_pdl=True) if p["pdl"] else dict(PDL=False)
         assert q.stride(-1) == 1 and k_cmp.stride(-1) == 1 and k_sel.stride(-1) == 1 and k_win.stride(-1) == 1
+        if pos.dim() != 1 or pos.shape[0] not in (1, self.B):
+            raise ValueError(f"pos: expected a [1] or [{self.B}] tensor of positions, got {tuple(pos.shape)}")
+        spos = 0 if pos.shape[0] == 1 else pos.stride(0)
         if poisoning():
             self.out.fill_(float("nan"))
         if count:
             self.counts.zero_()
         # The whole step with fuse: two launches (the top-n and the combine run in the last program of
         # the compressed pass and of the sel/win pass); timing a part alone takes the four-kernel path.
-        fuse = p["fuse"] and set(branches) == set(BRANCHES) and combine and topk and \
+        whole = set(branches) == set(BRANCHES) and combine and topk and \
             (combine_branches is None or set(combine_branches) == set(BRANCHES))
+        if whole and p["mode"] == "three":
+            self._three(q, gates, pos, spos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, qk, count, pdl)
+            return self.out
+        fuse = whole and p["mode"] == "two"
         topk_args = dict(LS=c.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
-                         BLOCK_T=p["block_t"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"])
+                         NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"])
         if "cmp" in branches:
             _dec_cmp_partial[(BH, p["nsc"])](
-                q, k_cmp, v_cmp, pos, self.scores, self.cm, self.cl, self.cacc, self.counts,
+                q, k_cmp, v_cmp, pos, spos, self.scores, self.cm, self.cl, self.cacc, self.counts,
                 self.psum, self.o_cmp, self.indices, self.sem[0],
                 q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
                 v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), qk, p["TCS"],
@@ -509,7 +775,7 @@ class DecodeKernels:
                 SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, FUSE=fuse, **topk_args, **pdl)
             if not fuse:
                 _dec_cmp_topk[(BH,)](
-                    pos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
+                    pos, spos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
                     H=H, G=G, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"], BG=p["BG"], BDV=p["BDV"], DO_TOPK=topk,
                     num_warps=p["topk_warps"], **topk_args, **pdl)
         has_sel, has_win = "sel" in branches, "win" in branches
@@ -517,7 +783,7 @@ class DecodeKernels:
             off = 0 if has_sel else p["ns_sel"]
             n = (p["ns_sel"] if has_sel else 0) + (p["ns_win"] if has_win else 0)
             _dec_sv_partial[(BH, n)](
-                q, k_sel, v_sel, k_win, v_win, self.indices, pos, self.sm, self.sl, self.sacc, self.counts,
+                q, k_sel, v_sel, k_win, v_win, self.indices, pos, spos, self.sm, self.sl, self.sacc, self.counts,
                 self.o_cmp, gates, self.out, self.sem[1],
                 gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
                 q.stride(0), q.stride(1),
@@ -536,3 +802,31 @@ class DecodeKernels:
                 HAS_CMP="cmp" in cb, HAS_SEL="sel" in cb, HAS_WIN="win" in cb,
                 BG=p["BG"], BDV=p["BDV"], num_warps=nw, **pdl)
         return self.out
+
+    def _three(self, q, gates, pos, spos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, qk, count, pdl):
+        c, p = self.config, self.p
+        H, G, BH = c.n_kv_heads, c.G, self.B * c.n_kv_heads
+        common = dict(H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
+                      PREC=self.prec, COUNT=count)
+        _dec_cw_partial[(BH, p["nsc"] + p["ns_win"])](
+            q, k_cmp, v_cmp, k_win, v_win, pos, spos, self.scores, self.cm, self.cl, self.cacc,
+            self.sm, self.sl, self.sacc, self.counts,
+            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
+            v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
+            k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
+            qk, p["TCS"], W=c.w, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
+            NWC=p["nwc"], BLOCK_C=p["block_c"], BW=p["bw"], SMALL_DOT=p["block_c"] < DOT_MIN,
+            num_warps=p["warps"], **common, **pdl)
+        _dec_sel_topn[(BH, p["ns_sel"])](
+            q, k_sel, v_sel, pos, spos, self.scores, self.sel_psum, self.cm, self.cl, self.indices, self.sm, self.sl,
+            self.sacc,
+            self.counts, q.stride(0), q.stride(1),
+            k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), v_sel.stride(0), v_sel.stride(1), v_sel.stride(2),
+            qk, p["TCS"], LS=c.l_sel, N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local, NSC=p["nsc"],
+            NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BLOCK_T=p["block_t"],
+            TOPK=p["topk"], BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], num_warps=p["sel_warps"], **common, **pdl)
+        _dec_combine3[(BH,)](
+            self.cm, self.cl, self.cacc, self.sm, self.sl, self.sacc, gates, self.out,
+            gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
+            H=H, G=G, DV=c.d_v, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
+            num_warps=p["warps"], **pdl)

@@ -93,16 +93,25 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
     },
     "decode": {
         "block_c": (int, "compressed tokens per tile of the split-KV compressed pass"),
-        "nsc": (int, "splits of the compressed pass; None: fill the SMs about 4x, >= 4 tiles a split"),
+        "nsc": (int, "splits of the compressed pass; None: fill the SMs about 4x, >= 4 tiles a split (mode three: "
+                     "one tile a split, at most 8)"),
         "bw": (int, "window tokens per tile; None: the whole window in one tile"),
         "sel_per": (int, "selected blocks per split; None: 4 when B*H fills the SMs, else 1"),
         "sel_vec": (int, "selected blocks per tile; None: all of a split's"),
         "win_per": (int, "window tiles per split; None: 4 when B*H fills the SMs, else 1"),
         "warps": (int, "warps of the attention and combine kernels"),
         "topk_warps": (int, "warps of the combine + top-n kernel"),
-        "block_t": (int, "compressed tokens per step of the top-n kernel's Eq. 10 sum"),
         "pdl": (bool, "programmatic dependent launch between the step's kernels; None: where supported (sm_90+)"),
-        "fuse": (bool, "two launches per step: the top-n and the combine in the last program of their pass"),
+        "block_t": (int, "compressed tokens per step of the top-n's Eq. 10 sum"),
+        "topn": (("auto", "argmax", "bitonic"), "the top-n of the block scores: n_sel dependent argmaxes, or a "
+                                                 "bitonic top-k (tl.topk, triton >= 3.3); auto: bitonic where it "
+                                                 "exists, but argmax from 1024 blocks at B*H >= 32"),
+        "mode": (("auto", "four", "two", "three"),
+                 "launches per step: four (compressed pass, top-n, selected + window, combine); two (the top-n and "
+                 "the combine in the last program of their pass); three (the window beside the compressed pass, "
+                 "the top-n in every selected-branch program, the combine); auto: on a GPU, three while "
+                 "B*H*n_sel programs fit the SMs and the cache has at most 512 selection blocks, else four"),
+        "sel_warps": (int, "warps of the selected-branch programs of mode three (they pick the top-n); None: warps"),
     },
 }
 
@@ -122,7 +131,7 @@ _CUDA = {
                       part_bytes_max=None, tma=None),
     "gate": dict(rows=16, warps=4),
     "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
-                   block_t=256, pdl=None, fuse=False),
+                   block_t=256, pdl=None, mode="auto", topn="auto", sel_warps=None),
 }
 
 # The interpreter runs programs one after another: tests want small tiles (borders crossed at tiny
@@ -134,7 +143,7 @@ _INTERPRET = {
     "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4, tma=None),
     "topn": dict(elems=2048, warps=4),
     "decode": dict(block_c=16, nsc=None, bw=None, sel_per=None, sel_vec=None, win_per=None, warps=4, topk_warps=4,
-                   block_t=16, pdl=False, fuse=False),
+                   block_t=16, pdl=False, mode="auto", topn="auto", sel_warps=None),
 }
 
 TABLES: dict[str, dict[str, dict[str, Any]]] = {"cuda": _CUDA, "interpret": _INTERPRET}
