@@ -4,6 +4,8 @@
     cache = layer.new_cache(B, max_len)
     dec = GraphDecoder(layer, cache)        # takes the cache over (see below)
     dec.prefill(x_prompt)                   # the module's own cached forward fills the caches
+    # or, ragged (continuous batching): B prompts packed in one row, one per cache row
+    dec.prefill(x_packed, cu_seqlens=cu)    # x_packed [1,N,dim], cu = [0, L_0, L_0 + L_1, .., N]
     y = dec.step(x_t)                       # eager step: [B,1,dim] -> [B,1,dim]
     dec.capture()                           # one CUDA graph for every later step
     y = dec.replay(x_t)                     # same as step(), no host sync, no Python per kernel
@@ -11,18 +13,22 @@
 The reference is the module itself: ``layer.forward(x_t, cache)`` (spec "Decode"). Every step here
 gives what it gives (tests/test_decode_gpu_path.py).
 
-Design: the position lives in a device tensor; the step projects (one fused GEMM for q and the six
-branch keys/values), applies the module's RoPE (``nsa.module.apply_rope``) from a table indexed by
-the position, writes the new raw tokens with ``index_copy_`` there, and always runs the compression
-phi over the last l raw compression keys/values: when a block completes (t = i*d + l - 1) the
-result goes to compressed row i, otherwise to a scratch row past the end (the compressed cache gets
-one extra row; ``cache.k_cmp`` / ``v_cmp`` become views of the first Tc rows, so the module's own
-forward keeps working on the same cache). Then the backend's decode kernels (``nsa.dispatch``: the
-backend is chosen per branch like the prefill path, so ``dispatch.record()`` says what ran and an
-unavailable backend raises ``BackendUnavailable``; the ``triton`` backend's are
-``nsa.backends.triton.decode``): split-KV compressed attention, combine + Eq. 9-12 top-n in
-registers, split-KV selected + window attention, combine with gates. Finally the position advances
-on the device; the host keeps a mirror (``cache.length``).
+Design: the positions live in a device tensor ``_pos`` ``[B]``, one per sequence (all equal in a
+uniform batch; after a packed prefill each row at its own length: a ragged batch, spec "Module
+level"); the step projects (one fused GEMM for q and the six branch keys/values), applies the
+module's RoPE (``nsa.module.apply_rope``) from a table gathered at each row's position, writes the
+new raw tokens there (one ``index_put_`` per buffer: row b at ``_pos[b]``), and always runs the
+compression phi over each row's last l raw compression keys/values: when a row's block completes
+(t = i*d + l - 1) the result goes to its compressed row i, otherwise to a scratch row past the end
+(the compressed cache gets one extra row; ``cache.k_cmp`` / ``v_cmp`` become views of the first Tc
+rows, so the module's own forward keeps working on the same cache). Then the backend's decode
+kernels (``nsa.dispatch``: the backend is chosen per branch like the prefill path, so
+``dispatch.record()`` says what ran and an unavailable backend raises ``BackendUnavailable``; the
+``triton`` backend's are ``nsa.backends.triton.decode``, each query at its row's position):
+split-KV compressed attention, combine + Eq. 9-12 top-n in registers, split-KV selected + window
+attention, combine with gates.
+Finally every position advances by one on the device; the host keeps a mirror (``cache.length``,
+or ``cache.lengths`` for a ragged cache).
 
 Timing a branch: ``dec.graph(lambda: dec.attend(q, gates, branches=("sel",)))`` captures that
 branch's kernels alone; ``dec.graph(dec.step_fn(x, advance=False))`` the whole layer step at a fixed
@@ -49,10 +55,22 @@ def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:
     win = min(w, S). The selection and window branches read different tensors (their own
     projections), so ``read`` = cmp + sel + win; ``distinct`` counts positions (cmp + |sel ∪ win|),
     the quantity the paper formula ``config.decode_tokens_formula(S)`` bounds.
+
+    A ragged batch: ``S`` per sequence (a ``[B]`` sequence or tensor, e.g. ``cache.lengths`` after
+    the step); ``formula`` is then a ``[B]`` int64 tensor.
     """
     if indices.dim() == 4:
         indices = indices[:, -1]
     idx = indices.to(torch.int64).cpu()
+    B, H = idx.shape[:2]
+    if not isinstance(S, int):
+        Ss = torch.as_tensor(S, dtype=torch.int64).cpu()
+        if Ss.shape != (B,):
+            raise ValueError(f"S: expected an int or {B} lengths (one per sequence), got shape {tuple(Ss.shape)}")
+        rows = [tokens_read(config, int(s), idx[b:b + 1]) for b, s in enumerate(Ss.tolist())]
+        out = {k: torch.cat([r[k] for r in rows]) for k in ("cmp", "sel", "win", "read", "distinct")}
+        out["formula"] = torch.tensor([r["formula"] for r in rows], dtype=torch.int64)
+        return out
     t = S - 1
     ls = config.l_sel
     off = torch.arange(ls)
@@ -63,7 +81,6 @@ def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:
     in_win = valid & (tok >= w0)
     win = min(config.w, S)
     cmp_ = config.n_cmp(S)
-    B, H = idx.shape[:2]
     full = lambda v: torch.full((B, H), v, dtype=torch.int64)
     return {"cmp": full(cmp_), "sel": sel, "win": full(win), "read": cmp_ + sel + win,
             "distinct": cmp_ + sel - in_win.flatten(-2).sum(-1) + win,
@@ -77,8 +94,9 @@ class GraphDecoder:
     decode kernels through ``nsa.dispatch``; ``n_sm`` sizes their split-KV grids (default: the
     device's multiprocessor count). Launch parameters come from the backend's tuning at construction
     (``nsa.backends.triton.tuning.overrides``). The decoder copies the layer's projection weights at
-    construction (``refresh_weights()`` after changing them). ``cache.length`` stays the host mirror
-    of the device position. ``last`` holds the q ``[B,HQ,Dk]`` and gates ``[B,HQ,3]`` of the last step.
+    construction (``refresh_weights()`` after changing them). ``cache.length`` (``cache.lengths``
+    for a ragged cache) stays the host mirror of the device positions ``_pos`` ``[B]`` int64.
+    ``last`` holds the q ``[B,HQ,Dk]`` and gates ``[B,HQ,3]`` of the last step.
     """
 
     def __init__(self, module: NSAAttention, cache: NSACache, *, backend="triton", n_sm: int | None = None):
@@ -106,8 +124,9 @@ class GraphDecoder:
             ext[:, : self.Tc] = old
             setattr(self, "_" + name + "_ext", ext)
             setattr(cache, name, ext[:, : self.Tc])
-        self._pos = torch.tensor([cache.length], device=self.device, dtype=torch.int64)
-        self._length = cache.length
+        self._pos = torch.zeros(self.B, device=self.device, dtype=torch.int64)  # each row's position
+        self._b = torch.arange(self.B, device=self.device)
+        self.sync_position()
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         self._cos, self._sin = rope_cos_sin(torch.arange(self.max_len, device=self.device), c.d_k, c.rope_base, acc)
         self.refresh_weights()
@@ -126,64 +145,83 @@ class GraphDecoder:
         self._split_sizes = [HQ * Dk] + [H * (Dk if n[0] == "k" else Dv) for n in names]
 
     def sync_position(self):
-        """After the cache was filled by other means (``module.forward(x, cache)``)."""
-        self._pos.fill_(self.cache.length)
-        self._length = self.cache.length
+        """After the cache was filled by other means (``module.forward(x, cache)``): the device
+        positions from the cache's per-row lengths."""
+        cache = self.cache
+        self._length, self._rows = cache.length, cache.lengths if cache.ragged else None
+        if self._rows is None:
+            self._pos.fill_(self._length)
+        else:
+            self._pos.copy_(self._rows)
+
+    def _moved(self) -> bool:
+        """The cache's positions differ from this decoder's host mirror."""
+        cache = self.cache
+        if cache.length != self._length or cache.ragged != (self._rows is not None):
+            return True
+        return self._rows is not None and not torch.equal(cache.lengths, self._rows)
 
     @torch.no_grad()
-    def prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Append ``x [B,T,dim]`` through the module's own cached forward (prefill or a chunk)."""
-        if self.cache.length != self._length:
+    def prefill(self, x: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
+        """Append ``x [B,T,dim]`` through the module's own cached forward (prefill or a chunk), or,
+        with ``cu_seqlens``, fill an empty cache with packed prompts (``x [1,N,dim]``, one document
+        per row: a ragged cache, each row at its own length)."""
+        if self._moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")
-        y = self.module(x, self.cache)
+        y = self.module(x, self.cache, cu_seqlens=cu_seqlens)
         self.sync_position()
         return y
 
     # ------------------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor):
-        """Projections + RoPE at the position; writes the raw tokens and emits the compressed token.
-        Returns (q [B,HQ,Dk], gates [B,HQ,3])."""
+        """Projections + RoPE at each row's position; writes the raw tokens there and emits the
+        compressed tokens. Returns (q [B,HQ,Dk], gates [B,HQ,3])."""
         c, cache, m = self.config, self.cache, self.module
         B, HQ, H, Dk, Dv = self.B, c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         x2 = x.reshape(B, c.dim)
         q, kc, vc, ks, vs, kw, vw = torch.matmul(x2, self._w_qkv.t()).split(self._split_sizes, dim=-1)
-        cos = self._cos.index_select(0, self._pos)
-        sin = self._sin.index_select(0, self._pos)
+        cos = self._cos.index_select(0, self._pos)[:, None]  # [B,1,Dk]: row b's position, every head
+        sin = self._sin.index_select(0, self._pos)[:, None]
         q = apply_rope(q.view(B, HQ, Dk), cos, sin)
         kc = apply_rope(kc.view(B, H, Dk), cos, sin)
         ks = apply_rope(ks.view(B, H, Dk), cos, sin)
         kw = apply_rope(kw.view(B, H, Dk), cos, sin)
         for buf, val in ((cache.k_cmp_raw, kc), (cache.v_cmp_raw, vc.view(B, H, Dv)), (cache.k_sel, ks),
                          (cache.v_sel, vs.view(B, H, Dv)), (cache.k_win, kw), (cache.v_win, vw.view(B, H, Dv))):
-            buf.index_copy_(1, self._pos, val.unsqueeze(1))
+            buf.index_put_((self._b, self._pos), val)  # row b at position _pos[b]
         self._emit()
         gates = torch.sigmoid(m.gate(x2)).view(B, HQ, 3)
         return q, gates
 
     def _emit(self):
-        """Compressed token i = phi(raw[i*d : i*d+l]) when t = i*d + l - 1, else into the scratch row."""
+        """Per row: compressed token i = phi(raw[i*d : i*d+l]) when its t = i*d + l - 1, else into the
+        scratch row."""
         c, cache, m = self.config, self.cache, self.module
         if self.max_len < c.l:
             return
-        start = self._pos - (c.l - 1)  # [1]
+        start = self._pos - (c.l - 1)  # [B]
         emit = (start >= 0) & (torch.remainder(start, c.d) == 0)
         row = torch.where(emit, torch.div(start, c.d, rounding_mode="floor"), torch.full_like(start, self.Tc))
-        idx = start.clamp(min=0) + torch.arange(c.l, device=self.device)
+        idx = start.clamp(min=0)[:, None] + torch.arange(c.l, device=self.device)  # [B,l]
         for raw, ext, phi in ((cache.k_cmp_raw, self._k_cmp_ext, m.phi_k), (cache.v_cmp_raw, self._v_cmp_ext, m.phi_v)):
-            blk = raw.index_select(1, idx).permute(0, 2, 1, 3).unsqueeze(1)  # [B,1,H,l,D]
+            blk = raw[self._b[:, None], idx].permute(0, 2, 1, 3).unsqueeze(1)  # [B,1,H,l,D]
             new = blk.mean(dim=3) if phi is None else phi(blk)
-            ext.index_copy_(1, row, new)
+            ext.index_put_((self._b, row), new[:, 0])
 
-    def attend(self, q, gates, *, position: int | None = None, branches=BRANCHES, combine=True, count=False,
+    def attend(self, q, gates, *, position=None, branches=BRANCHES, combine=True, count=False,
                combine_branches=None, topk=True):
-        """The attention kernels alone for the query at the decoder's position (``position``, if given,
-        sets it first) -> ``[B,HQ,Dv]`` (a workspace, overwritten by the next call): the sum over
-        ``branches`` of g_b * o_b; ``combine=False`` skips the gated sum (timing); ``count=True``
-        fills :meth:`token_counts`. The selected branch reads the blocks the last cmp branch chose.
-        Timing the parts (``experiments.kernels op=decode``): ``branches=(), combine_branches=BRANCHES``
-        runs the combine alone; ``topk=False`` the compressed pass without its top-n."""
+        """The attention kernels alone for the queries at the decoder's positions (``position``, if given,
+        sets them first: an int for every row, or ``[B]`` ints, one per row) -> ``[B,HQ,Dv]`` (a
+        workspace, overwritten by the next call): the sum over ``branches`` of g_b * o_b;
+        ``combine=False`` skips the gated sum (timing); ``count=True`` fills :meth:`token_counts`. The
+        selected branch reads the blocks the last cmp branch chose. Timing the parts
+        (``experiments.kernels op=decode``): ``branches=(), combine_branches=BRANCHES`` runs the
+        combine alone; ``topk=False`` the compressed pass without its top-n."""
         if position is not None:
-            self._pos.fill_(position)
+            if isinstance(position, int):
+                self._pos.fill_(position)
+            else:
+                self._pos.copy_(torch.as_tensor(position, dtype=torch.int64))
         cache = self.cache
         dispatch.record_ran({b: self._ran[b] for b in branches})
         return self._kernels.attend(q, gates, self._pos, self._k_cmp_ext, self._v_cmp_ext, cache.k_sel, cache.v_sel,
@@ -201,14 +239,19 @@ class GraphDecoder:
         return y
 
     def _check_room(self, n=1):
-        if self.cache.length != self._length:
+        if self._moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")
-        if self._length + n > self.max_len:
-            raise ValueError(f"cache: step at position {self._length} exceeds max_len={self.max_len}")
+        if self._length + n > self.max_len:  # the longest row's
+            where = "" if self._rows is None else " (the longest row)"
+            raise ValueError(f"cache: step at position {self._length}{where} exceeds max_len={self.max_len}")
 
     def _advanced(self):
         self._length += 1
-        self.cache.length = self._length
+        if self._rows is None:
+            self.cache.length = self._length
+        else:
+            self._rows += 1
+            self.cache.lengths = self._rows
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, *, branches=BRANCHES, count: bool = False) -> torch.Tensor:

@@ -65,6 +65,14 @@ class NSACache:
 
     ``k_cmp_raw`` holds the compression branch's rotated raw keys; compressed token i is written
     when its block completes (position i*d + l - 1), as in prefill.
+
+    Positions (spec "Module level", ragged decode): row b holds the tokens at positions
+    0 .. lengths[b]-1 and appends its next token at lengths[b]. A uniform cache has every row at
+    ``length`` (an int). A packed prefill (``NSAAttention.forward(x, cache, cu_seqlens=cu)``, one
+    document per row) leaves a *ragged* cache: ``lengths`` differ per row (``ragged`` is true) and
+    ``length`` is then the longest row's, the one that bounds what still fits in ``max_len``.
+    Assigning ``length`` puts every row there (uniform again; ``reset()`` is ``length = 0``);
+    assigning ``lengths`` (a ``[B]`` int sequence or tensor) sets each row's, uniform when all are equal.
     """
 
     k_cmp_raw: torch.Tensor
@@ -78,9 +86,47 @@ class NSACache:
     max_len: int
     length: int = 0
 
+    def __setattr__(self, name, value):
+        if name == "length":  # an int length: every row is there
+            object.__setattr__(self, "_rows", None)
+        object.__setattr__(self, name, value)
+
     @property
     def batch_size(self) -> int:
         return self.k_sel.shape[0]
+
+    @property
+    def ragged(self) -> bool:
+        """True while rows hold different numbers of tokens (after a packed prefill)."""
+        return self._rows is not None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held by each row: int64 ``[B]`` on the CPU (a copy; assign to change)."""
+        if self._rows is None:
+            return torch.full((self.batch_size,), int(self.length), dtype=torch.int64)
+        return self._rows.clone()
+
+    @lengths.setter
+    def lengths(self, value) -> None:
+        rows = torch.as_tensor(value).detach().to("cpu", torch.int64).clone()
+        B = self.batch_size
+        if rows.shape != (B,):
+            raise ValueError(f"cache.lengths: expected {B} row lengths (batch_size), got shape {tuple(rows.shape)}")
+        if int(rows.min()) < 0 or int(rows.max()) > self.max_len:
+            raise ValueError(f"cache.lengths: each must be in [0, max_len={self.max_len}], got {rows.tolist()}")
+        if bool((rows == rows[0]).all()):
+            self.length = int(rows[0])
+        else:
+            object.__setattr__(self, "length", int(rows.max()))
+            object.__setattr__(self, "_rows", rows)
+
+    def row(self, b: int) -> NSACache:
+        """Row b alone: a cache of one sequence whose buffers are views of row b's (writes land in this
+        cache), at that row's length. Its positions do not flow back: set ``lengths`` afterwards."""
+        names = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
+        n = int(self._rows[b]) if self._rows is not None else self.length
+        return NSACache(*(getattr(self, f)[b:b + 1] for f in names), max_len=self.max_len, length=n)
 
     def reset(self) -> None:
         self.length = 0
@@ -94,6 +140,12 @@ class NSAAttention(nn.Module):
     and attend to everything cached before them; the result equals prefill at those positions.
     With ``cu_seqlens`` (no cache), x ``[1,N,dim]`` holds documents packed along N (see
     :mod:`nsa.varlen`): each is its own sequence at positions 0..L_i-1, as if run alone.
+
+    Ragged batches (continuous batching): ``forward(x [1,N,dim], cache, cu_seqlens=cu)`` is a prefill
+    of packed prompts into an empty cache, one document per row (document i -> row i, at positions
+    0..L_i-1, compressed as if alone); the output is the packed forward's and ``cache.lengths``
+    becomes (L_0, ..). Later calls ``forward(x [B,T,dim], cache)`` append each row's T tokens at its
+    own position ``cache.lengths[b]`` (decode steps, or chunks): row b equals its sequence run alone.
 
     ``backend`` / ``fallback`` / ``streams`` are passed to :func:`nsa.functional.nsa_attention`.
     """
@@ -170,27 +222,78 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         docs = as_varlen(cu_seqlens)
         if docs is not None:
-            if cache is not None:
-                raise ValueError("cu_seqlens: packed documents are for prefill/training; a cache (decode) "
-                                 "takes one sequence per batch row")
             if B != 1:
                 raise ValueError(f"x: expected [1,N,{c.dim}] with cu_seqlens (documents packed along N), "
                                  f"got {tuple(x.shape)}")
             docs.check_total(T, "x")
-        start = 0 if cache is None else cache.length
+            if cache is not None:
+                self._check_packed_prefill(cache, docs)
+        elif cache is not None and cache.ragged:
+            return self._forward_rows(x, cache)
+        start = 0 if cache is None or docs is not None else cache.length
         pos = torch.arange(start, start + T, device=x.device) if docs is None else docs.row_pos(x.device)
         q, kv, gates = self._project(x, pos)
-        if cache is None:
+        if cache is None or docs is not None:
             k_cmp, v_cmp = self._compress(kv["k_cmp_raw"], kv["v_cmp_raw"], docs)
             keys = dict(k_sel=kv["k_sel"], v_sel=kv["v_sel"], k_win=kv["k_win"], v_win=kv["v_win"])
+            if cache is not None:
+                self._fill_rows(cache, x, kv, k_cmp, v_cmp, docs)
         else:
             k_cmp, v_cmp, keys = self._append(cache, x, kv)
         o = functional.nsa_attention(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"],
                                      keys["v_win"], gates, c, backend=self.backend, q_start=start,
                                      fallback=self.fallback, streams=self.streams, cu_seqlens=docs)
         if cache is not None:
-            cache.length = start + T
+            if docs is None:
+                cache.length = start + T
+            else:
+                cache.lengths = docs.lens
         return self.o_proj(o.reshape(B, T, c.n_heads * c.d_v))
+
+    @staticmethod
+    def _check_packed_prefill(cache: NSACache, docs) -> None:
+        if docs.n_docs != cache.batch_size:
+            raise ValueError(f"cu_seqlens: packed documents are for prefill/training; a cache takes one document "
+                             f"per batch row: {docs.n_docs} documents for a cache of batch_size={cache.batch_size}")
+        if cache.length != 0:
+            raise ValueError(f"cache: a packed prefill (cu_seqlens) fills an empty cache; this one holds "
+                             f"{cache.lengths.tolist()} tokens per row (reset() it first)")
+        for i, n in enumerate(docs.lens):
+            if n > cache.max_len:
+                raise ValueError(f"cu_seqlens: document {i} has {n} tokens, more than the cache's "
+                                 f"max_len={cache.max_len}")
+
+    @staticmethod
+    def _check_cache_dtype(cache: NSACache, x: torch.Tensor, kv: dict) -> None:
+        if x.device != cache.k_sel.device or kv["k_sel"].dtype != cache.k_sel.dtype:
+            raise ValueError(f"cache: device/dtype {cache.k_sel.device}/{cache.k_sel.dtype} differ from the "
+                             f"layer's {x.device}/{kv['k_sel'].dtype}")
+
+    def _fill_rows(self, cache: NSACache, x: torch.Tensor, kv: dict, k_cmp, v_cmp, docs) -> None:
+        """Packed prefill: document i's raw tokens and compressed tokens into row i at positions 0.."""
+        self._check_cache_dtype(cache, x, kv)
+        n_cmp = docs.cmp_counts(self.config)
+        c0 = 0
+        for i, (s, n, nc) in enumerate(zip(docs.starts, docs.lens, n_cmp)):
+            for name, val in kv.items():
+                getattr(cache, name)[i, :n] = val[0, s:s + n]
+            cache.k_cmp[i, :nc] = k_cmp[0, c0:c0 + nc]
+            cache.v_cmp[i, :nc] = v_cmp[0, c0:c0 + nc]
+            c0 += nc
+
+    def _forward_rows(self, x: torch.Tensor, cache: NSACache) -> torch.Tensor:
+        """A ragged cache: each row's T tokens at its own position, through the one-sequence path on
+        the row's views (the reference: a loop over rows). Nothing is written unless every row fits."""
+        B, T, _ = x.shape
+        if B != cache.batch_size:
+            raise ValueError(f"x: batch {B} differs from the cache's batch_size {cache.batch_size}")
+        lengths = cache.lengths
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"cache: appending {T} tokens at position {cache.length} (its longest row) exceeds "
+                             f"max_len={cache.max_len}")
+        y = torch.cat([self(x[b:b + 1], cache.row(b)) for b in range(B)], 0)
+        cache.lengths = lengths + T
+        return y
 
     def _append(self, cache: NSACache, x: torch.Tensor, kv: dict):
         """Write the new tokens into the cache and emit the compressed tokens whose block just
@@ -202,9 +305,7 @@ class NSAAttention(nn.Module):
             raise ValueError(f"x: batch {B} differs from the cache's batch_size {cache.batch_size}")
         if end > cache.max_len:
             raise ValueError(f"cache: appending {T} tokens at position {start} exceeds max_len={cache.max_len}")
-        if x.device != cache.k_sel.device or kv["k_sel"].dtype != cache.k_sel.dtype:
-            raise ValueError(f"cache: device/dtype {cache.k_sel.device}/{cache.k_sel.dtype} differ from the "
-                             f"layer's {x.device}/{kv['k_sel'].dtype}")
+        self._check_cache_dtype(cache, x, kv)
         for name, val in kv.items():
             getattr(cache, name)[:, start:end] = val
         i0, i1 = c.n_cmp(start), c.n_cmp(end)
