@@ -3,10 +3,12 @@
     python -m experiments.decode hardware=cpu -m seq=256,512                 # a CPU sweep
     python -m experiments.decode hardware=rtx4090 -m seq=512,1024,2048,4096  # on an RTX 4090
     python -m experiments.decode -m seq=256,512 --cfg job                    # each job's config, no run
+    python -m experiments.decode hardware=cpu decode.ragged=true decode.batch=4 -m seq=256,512  # ragged batch
 
-The cache is filled with seq-1 tokens (the layer's projected and compressed keys/values, written
-chunk by chunk, exactly what a prefill leaves there); the timed step is the query at position
-t = seq-1, which attends to seq keys (so the paper's count at S = seq applies). Rows (column ``variant``):
+The cache is filled with seq-1 tokens (the layer's projected and compressed keys/values, written in
+passes of ``decode.fill_tokens`` tokens over the batch, exactly what a prefill leaves there); the timed
+step is the query at position t = seq-1, which attends to seq keys (so the paper's count at S = seq
+applies). Rows (column ``variant``):
 
 * ``layer``: the whole NSAAttention step (projections, cache write, compression, attention, output),
   with branch_force applied through ``measure.ForcedBranch``;
@@ -26,9 +28,23 @@ in 9.3 or 14.5 us at random, so one step per graph measured the launch, not the 
 ``single_replay_p50_ms`` keeps that figure (one step per graph, one replay). Column ``step_path``:
 ``graph_decoder`` (nsa.decode.GraphDecoder) or ``module`` (the module's forward, and measure.core per
 branch, where the ``sel`` row also runs the compressed scoring that picks its blocks).
+
+Ragged batches (``decode.ragged=true``): sequence b has its own context length L_b, uniform integers in
+[seq/2, seq] drawn from ``seed`` (``ragged_lengths``; tag ``ragged_lengths``, metrics
+``ragged_min/mean/max_tokens``). The cache is filled as above, then each row's length is set to L_b - 1,
+so the timed step is row b's query at position L_b - 1 over L_b keys: on the GraphDecoder path its kernels
+at each row's position, on the module path the module's forward on the ragged cache (a loop over rows,
+like ``measure.ragged_core`` for the ``nsa`` and per-branch rows). ``dense`` is SDPA over each row's own
+keys under a key mask (``measure.dense_attention_ragged``: it may run another SDPA kernel than the
+unmasked uniform one). Token counts are per row at its own length (the decoder's indices through
+``nsa.decode.tokens_read`` and its kernel counters, row by row; on the module path each row's own
+top-n), averaged over rows like the groups; the formula column is the mean of each row's formula. Rows
+gain ``ragged`` and ``ragged_mean_tokens``; ``seq_tokens`` stays seq. Peers are not timed (tag
+``ragged_skipped``: they take one length for the batch).
 """
 from __future__ import annotations
 
+import json
 import logging
 
 import hydra
@@ -36,29 +52,109 @@ import torch
 from omegaconf import DictConfig
 
 from nsa import NSAAttention
-from nsa.decode import GraphDecoder
+from nsa._compat import SDPA_ENABLE_GQA
+from nsa.backends.triton.utils import p2
+from nsa.decode import GraphDecoder, tokens_read
 
 from . import measure, peers
-from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .framework import Charts, Job, Result, check_memory, config, launch, run_job
 
 BRANCHES = ("cmp", "sel", "win")
 log = logging.getLogger("experiments.decode")
 
 
-def estimate_bytes(job: Job) -> float:
-    """Rough tensor memory: the cache (three branches' raw keys/values, +10 % compressed) and one
-    fill chunk's activations (input, queries, six key/value projections, about twice over)."""
+def check_config(job: Job) -> None:
+    """decode's own rules beyond ``config.RULES`` (``config.prepare`` runs this, registered below in
+    ``ENTRY_CHECKS``: a ValueError is a config error, one line, exit 2, before any run)."""
+    ragged = job.cfg.decode.get("ragged", False)
+    if not isinstance(ragged, bool):
+        raise ValueError(f"decode.ragged={ragged!r}: must be true or false")
+    if ragged and job.seq < 2:
+        raise ValueError(f"decode.ragged=true: seq={job.seq} must be >= 2 (each sequence's length is drawn in "
+                         "[seq/2, seq], and seq/2 must be >= 1)")
+
+
+# The framework's table of entry-point checks (experiments/framework/config.py) names train's; decode's is
+# added here, so every prepare() of a decode job (a single run, each job of a sweep) applies it.
+config.ENTRY_CHECKS.setdefault("decode", "experiments.decode:check_config")
+
+
+def ragged_lengths(seq: int, batch: int, seed: int) -> torch.Tensor:
+    """decode.ragged's context lengths: int64 ``[batch]`` (CPU), uniform integers in [ceil(seq/2), seq] from
+    a generator of their own seeded with ``seed`` (the global one, which fills the cache, is left as is)."""
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint((seq + 1) // 2, seq + 1, (batch,), generator=g, dtype=torch.int64)
+
+
+def uses_decoder(job: Job) -> bool:
+    """The step runs through nsa.decode.GraphDecoder: CUDA graphs on CUDA and triton for every branch."""
+    return bool(job.cfg.decode.cuda_graph) and job.device.type == "cuda" and all(job.plan[b] == "triton" for b in BRANCHES)
+
+
+def memory_parts(job: Job) -> dict[str, float]:
+    """Bytes of the tensors a decode job holds, by part (``estimate_bytes`` sums them; the fill pass's are
+    freed before the step's are made, so the sum bounds the peak from above):
+
+    * ``cache``: three branches' raw keys/values and the compressed ones (twice on the GraphDecoder path:
+      it copies them into a buffer one row longer);
+    * ``fill``: one pass of ``measure.fill_cache`` (``decode.fill_tokens`` tokens over the batch): input,
+      queries, gates and the six key/value projections, RoPE's float32 temporaries of the queries (four of
+      their size), phi's input blocks of the compressed tokens the pass completes;
+    * ``weights``: the layer's parameters (and GraphDecoder's copy of the projections);
+    * ``step``: on the GraphDecoder path the decode kernels' float32 workspaces (``DecodeKernels.__init__``,
+      nsa/backends/triton/decode.py: scores and Eq. 10 sums per group, and per selected-branch program of
+      the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
+      module path a float32 copy of the compressed cache (the reference's upcast);
+    * ``dense``: the dense baseline's keys/values repeated to every query head, only where SDPA has no
+      ``enable_gqa`` (``nsa._compat.sdpa_gqa``; with it SDPA reads the grouped cache in place); with
+      ``decode.ragged`` instead (``measure.dense_attention_ragged``, nothing repeated) the key mask (B*S
+      bools), its additive float form, and the scores and probabilities of the step where SDPA keeps them
+      (its math path, float32 or float64: 2*B*HQ*S); the ragged step allocates nothing else beyond the uniform one
+      (row views of the same cache, per-row inputs and outputs of one token);
+    * ``peers``: fla's pooled keys/values of the whole cache (``decode.peers``, where fla runs)."""
     c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
-    cache = d.batch * S * c.n_kv_heads * (c.d_k + c.d_v) * 3 * e * 1.1
-    C = min(d.prefill_chunk, S)
-    chunk = d.batch * C * (2 * c.dim + c.n_heads * (c.d_k + c.d_v) + 6 * c.n_kv_heads * (c.d_k + c.d_v)) * e * 2
-    return float(cache + chunk)
+    B, H, HQ, G, kv = d.batch, c.n_kv_heads, c.n_heads, c.G, c.d_k + c.d_v
+    acc = 8 if job.dtype == torch.float64 else 4
+    Tc = c.n_cmp(S)
+    per = min(measure.fill_per_seq(d.fill_tokens, B), max(S - 1, 1))
+    N = B * per  # tokens of one fill pass
+    fill = (N * (c.dim + HQ * c.d_k + 3 * HQ + c.gate_hidden + 3 * H * kv) * e
+            + 4 * N * HQ * c.d_k * acc
+            + 2 * B * min(per // c.d + 1, max(Tc, 1)) * H * c.l * kv * e)
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in NSAAttention(c).parameters()) * e
+    cache = 3 * B * S * H * kv * e + B * Tc * H * kv * e
+    if uses_decoder(job):
+        n_sm = torch.cuda.get_device_properties(job.device).multi_processor_count
+        TCS, BG, BDV = max(Tc, 1), p2(G, 16), p2(c.d_v, 16)
+        nsc = min(32, max(1, -(-4 * n_sm // (B * H))))  # launch_params' compressed splits (untuned)
+        rows = B * H * (nsc + c.n_sel + -(-min(c.w, S) // 16))  # partials: per split
+        sums = B * H * c.n_sel if B * H * c.n_sel <= n_sm else 0  # mode three: Eq. 10 sums per selected program
+        step = (B * H * (G + 1) + sums) * TCS * 4 + rows * BG * (BDV + 2) * 4 + B * HQ * c.d_v * (4 + e)
+        cache += B * (Tc + 1) * H * kv * e
+        weights += (HQ * c.d_k + 3 * H * kv) * c.dim * e
+    else:
+        step = B * Tc * H * kv * 4
+    ragged = bool(d.get("ragged", False))
+    fla = not ragged and "fla" in d.peers and peers.fla_unavailable(c, job.device) is None
+    dense = B * S * (1 + acc) + 2 * B * HQ * S * acc if ragged else 0 if SDPA_ENABLE_GQA else B * S * HQ * kv * e
+    return {"cache": float(cache), "fill": float(fill), "weights": float(weights), "step": float(step),
+            "dense": float(dense),
+            "peers": float(2 * B * -(-S // c.l_sel) * H * kv * e if fla else 0)}
+
+
+def estimate_bytes(job: Job) -> float:
+    return sum(memory_parts(job).values())
 
 
 def work(job: Job) -> Result:
     d, c, S = job.cfg.decode, job.nsa, job.seq
-    check_memory(job, estimate_bytes(job))
+    mem = memory_parts(job)
+    check_memory(job, sum(mem.values()), f"decode.batch={d.batch}: "
+                 + ", ".join(f"{k} {v / 2**30:.3g}" for k, v in mem.items() if v) + " GiB")
     B, dev, dt = d.batch, job.device, job.dtype
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     bw, branch = float(job.profile.peak_hbm_gbps), job.branch
     elem = torch.empty((), dtype=dt).element_size()
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
@@ -67,8 +163,23 @@ def work(job: Job) -> Result:
     # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
     # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
     graphs = bool(d.cuda_graph) and dev.type == "cuda"
-    use_decoder = graphs and all(job.plan[b] == "triton" for b in BRANCHES)
+    use_decoder = uses_decoder(job)
     timed = ["layer", "nsa"] + (["cmp", "sel", "win"] if branch == "none" and d.per_branch else []) + ["dense"]
+    # decode.ragged: each sequence's own context length L (None: every row at seq)
+    L = ragged_lengths(S, B, job.cfg.seed) if d.get("ragged", False) else None
+    texts = {}
+    if L is not None:
+        lens = json.dumps(L.tolist())
+        tags["ragged_lengths"] = lens
+        if len(lens) > 5000:  # a tag holds 5000 characters: the whole list as an artifact too
+            texts["ragged_lengths.json"] = lens
+        metrics.update(ragged_min_tokens=float(L.min()), ragged_mean_tokens=float(L.double().mean()),
+                       ragged_max_tokens=float(L.max()))
+        log.info(f"[decode] seq={S} ragged: context lengths {L.tolist()} (min {int(L.min())}, "
+                 f"mean {float(L.double().mean()):.1f}, max {int(L.max())})")
+        if d.peers:
+            tags["ragged_skipped"] = "peers"
+            log.info(f"[decode] seq={S} ragged: peers {list(d.peers)} skipped (they take one length for the batch)")
 
     def progress(i, name, q):
         log.info(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
@@ -84,11 +195,20 @@ def work(job: Job) -> Result:
 
     with torch.no_grad():
         cache = layer.new_cache(B, S, dev, dt)
-        measure.fill_cache(layer, cache, S - 1, d.prefill_chunk)  # positions 0 .. S-2
+        measure.fill_cache(layer, cache, S - 1, d.fill_tokens)  # positions 0 .. S-2
         xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
 
+        def place(k: int):
+            """Every row at its step's position (k=0: seq-1, or L_b-1), or just past it (k=1)."""
+            if L is None:
+                cache.length = S - 1 + k
+            else:
+                cache.lengths = L - 1 + k
+
+        place(0)  # before the decoder reads the positions
+
         def layer_step():
-            cache.length = S - 1
+            place(0)
             step_layer(xs, cache)
 
         if use_decoder:
@@ -100,22 +220,41 @@ def work(job: Job) -> Result:
         else:
             times = {"layer": time_step(graph_capture, layer_step)}
         progress(1, "layer", times["layer"])
-        cache.length = S
-        inp = measure.cache_inputs(layer, cache, xs)
-        # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
-        t = torch.tensor(S - 1, device=dev)
-        idx = measure.selection_indices(inp, c, job.plan, job.fallback)
-        parts = measure.branch_tokens(c, t, measure.selected_tokens(idx, c, S - 1))
+        place(1)
+        if L is None:
+            inp = measure.cache_inputs(layer, cache, xs)
+            q_all, g_all = inp.q, inp.gates
+            # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
+            t = torch.tensor(S - 1, device=dev)
+            idx = measure.selection_indices(inp, c, job.plan, job.fallback)
+            parts = measure.branch_tokens(c, t, measure.selected_tokens(idx, c, S - 1))
+        else:  # each row's query at its own position, over views of its own keys
+            rows_in = measure.ragged_inputs(layer, cache, xs)
+            q_all, g_all = torch.cat([x.q for x in rows_in]), torch.cat([x.gates for x in rows_in])
+            if not use_decoder:  # each row's own top-n (the configured cmp backend)
+                parts = measure.ragged_parts(rows_in, c, job.plan, job.fallback)
         if use_decoder:
             # The decode kernels' own counters must agree with the count from the indices.
-            q_d, g_d = inp.q[:, 0], inp.gates[:, 0]
-            dec.attend(q_d, g_d, position=S - 1, count=True)
-            counted = dec.token_counts().double().mean((0, 1)).tolist()
-            for b, n in zip(BRANCHES, counted):
-                metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
-                if abs(n - float(parts[b].double().mean())) > 0:
-                    raise RuntimeError(f"decode kernels counted {n} {b} tokens, indices give "
-                                       f"{float(parts[b].double().mean())}")
+            q_d, g_d = q_all[:, 0], g_all[:, 0]
+            dec.attend(q_d, g_d, position=S - 1 if L is None else L - 1, count=True)
+            if L is None:
+                counted = dec.token_counts().double().mean((0, 1)).tolist()
+                for b, n in zip(BRANCHES, counted):
+                    metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
+                    if abs(n - float(parts[b].double().mean())) > 0:
+                        raise RuntimeError(f"decode kernels counted {n} {b} tokens, indices give "
+                                           f"{float(parts[b].double().mean())}")
+            else:  # per row, at its own length: the decoder's own indices, and its counters row by row
+                read = tokens_read(c, L, dec.indices())
+                parts = {b: read[b][:, None] for b in BRANCHES}  # [B,1,H], as the uniform count
+                counted = dec.token_counts().double().cpu()  # [B,H,3]
+                for j, b in enumerate(BRANCHES):
+                    metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = float(counted[..., j].mean())
+                    per_row, want = counted[..., j].mean(1), parts[b].double().mean((1, 2))
+                    if not torch.equal(per_row, want):
+                        r = int((per_row != want).nonzero()[0])
+                        raise RuntimeError(f"decode kernels counted {float(per_row[r])} {b} tokens in row {r} "
+                                           f"(length {int(L[r])}), indices give {float(want[r])}")
         for i, v in enumerate(timed[1:-1], 2):
             if use_decoder:
                 brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
@@ -126,39 +265,52 @@ def work(job: Job) -> Result:
             forced = branch if v == "nsa" else v
 
             def step(forced=forced):
-                measure.core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
+                if L is None:
+                    measure.core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
+                else:
+                    measure.ragged_core(forced, rows_in, c, job.plan, job.fallback, job.cfg.streams)
 
             times[v] = time_step(graph_capture, step)
             progress(i, v, times[v])
-        qd, kd, vd = inp.q, inp.k_win, inp.v_win
-        times["dense"] = time_step(graph_capture, lambda: measure.dense_attention(qd, kd, vd, causal=False))
+        if L is None:
+            qd, kd, vd = inp.q, inp.k_win, inp.v_win
+            times["dense"] = time_step(graph_capture, lambda: measure.dense_attention(qd, kd, vd, causal=False))
+        else:  # SDPA over each row's own L_b keys: a key mask over the cache
+            mask, kd, vd = measure.key_mask(L, S, dev), cache.k_win[:, :S], cache.v_win[:, :S]
+            times["dense"] = time_step(graph_capture, lambda: measure.dense_attention_ragged(q_all, kd, vd, mask))
         progress(len(timed), "dense", times["dense"])
-        peer = peers.rows(d.peers, inp, c, dev, tags)
+        peer = peers.rows(d.peers, inp, c, dev, tags) if L is None else {}
         for v, p in peer.items():
             timed.append(v)
             times[v] = measure.quantiles(measure.time_ms(measure.graph_step(p.fn, dev) if graphs else p.fn, dev,
                                                          d.warmup, d.repeats))
             progress(len(timed), v, times[v])
 
+    def per_seq(f):
+        """A count at context length n: at seq, or its mean over the rows' own lengths (ragged)."""
+        return f(S) if L is None else sum(f(n) for n in L.tolist()) / B
+
     for v in timed:
         if v == "dense":
-            tok = torch.full((B, 1, c.n_kv_heads), S)
-            formula = S
+            tok = torch.full((B, 1, c.n_kv_heads), S) if L is None else L[:, None, None].expand(B, 1, c.n_kv_heads)
+            formula = per_seq(lambda n: n)
         elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
             tok = S + sum(parts[b] for b in peer[v].branches).cpu()
             formula = measure.formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
         else:
             what = branch if v in ("layer", "nsa") else v
             tok = measure.variant_tokens(what, parts).cpu()
-            formula = measure.formula_tokens(what, c, S)
+            formula = per_seq(lambda n, what=what: measure.formula_tokens(what, c, n))
             if use_decoder and v == "sel":
                 # The decoder's sel kernel alone reuses the step's top-n: it reads the selected tokens only.
-                tok, formula = parts["sel"].cpu(), min(c.n_sel * c.l_sel, S)
+                tok, formula = parts["sel"].cpu(), per_seq(lambda n: min(c.n_sel * c.l_sel, n))
         kv_bytes = int(tok.sum()) * (c.d_k + c.d_v) * elem
         q = times[v]
         gbps = kv_bytes / (q["p50_ms"] * 1e-3) / 1e9
         row = {
-            "seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch,
+            "seq_tokens": S, "batch_seqs": B,
+            **({} if L is None else {"ragged": True, "ragged_mean_tokens": float(L.double().mean())}),
+            "variant": v, "branch_force": branch,
             "step_path": "graph_decoder" if use_decoder else "module",
             "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
             "dtype": str(dt).replace("torch.", ""),
@@ -172,12 +324,15 @@ def work(job: Job) -> Result:
             **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
         }
         rows.append(row)
+    metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
+    if dev.type == "cuda":
+        metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     by = {r["variant"]: r for r in rows}
     headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
                 "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
                 "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
     return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")),
-                  tags=tags)
+                  tags=tags, texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, dispatch, functional
@@ -77,14 +78,21 @@ def project(layer: NSAAttention, x: torch.Tensor, start: int = 0) -> tuple[torch
     return layer._project(x, pos)
 
 
+def fill_per_seq(tokens: int, batch: int) -> int:
+    """Tokens per sequence of one fill pass of at most ``tokens`` tokens over ``batch`` sequences (at least 1)."""
+    return max(1, tokens // batch)
+
+
 @torch.no_grad()
-def fill_cache(layer: NSAAttention, cache, n: int, chunk: int) -> None:
-    """Positions 0 .. n-1 of ``cache`` filled with the layer's keys/values of random tokens, ``chunk``
-    tokens at a time (what a prefill leaves there: one layer's cache does not depend on its attention
-    outputs), so that long contexts need no full-length activations."""
+def fill_cache(layer: NSAAttention, cache, n: int, tokens: int) -> None:
+    """Positions 0 .. n-1 of ``cache`` filled with the layer's keys/values of random tokens, in passes of
+    ``fill_per_seq(tokens, batch)`` positions of every sequence, so one pass holds the activations of about
+    ``tokens`` tokens whatever the batch (what a prefill leaves there: one layer's cache does not depend on
+    its attention outputs)."""
     p = next(layer.parameters())
-    for start in range(0, n, chunk):
-        xc = torch.randn(cache.batch_size, min(chunk, n - start), layer.config.dim, device=p.device, dtype=p.dtype)
+    per = fill_per_seq(tokens, cache.batch_size)
+    for start in range(0, n, per):
+        xc = torch.randn(cache.batch_size, min(per, n - start), layer.config.dim, device=p.device, dtype=p.dtype)
         layer._append(cache, xc, project(layer, xc, start)[1])
         cache.length = start + xc.shape[1]
 
@@ -106,9 +114,36 @@ def cache_inputs(layer: NSAAttention, cache, x_step: torch.Tensor) -> CoreInputs
                       cache.k_win[:, :S], cache.v_win[:, :S], gates, t)
 
 
+def ragged_inputs(layer: NSAAttention, cache, x_step: torch.Tensor) -> list[CoreInputs]:
+    """Per row b, the core inputs of row b's decode step (``x_step[b]``, its token at position
+    ``cache.lengths[b] - 1`` already cached): ``cache_inputs`` on ``cache.row(b)``, views of row b's buffers
+    up to its own length (nothing copied)."""
+    return [cache_inputs(layer, cache.row(b), x_step[b:b + 1]) for b in range(cache.batch_size)]
+
+
+def ragged_core(branch: str, rows: list[CoreInputs], config: NSAConfig, plan: Mapping[str, str],
+                fallback: str | None, streams: bool = True) -> torch.Tensor:
+    """``core`` of a ragged step, row by row (each query at its own position over its own keys) ->
+    ``[B,1,HQ,Dv]``: what a batch of different context lengths costs on a path without ragged kernels."""
+    return torch.cat([core(branch, x, config, plan, fallback, streams) for x in rows], 0)
+
+
+def ragged_parts(rows: list[CoreInputs], config: NSAConfig, plan: Mapping[str, str],
+                 fallback: str | None) -> dict[str, torch.Tensor]:
+    """``branch_tokens`` of a ragged step, ``[B,1,H]`` per branch: each row's selected blocks from the
+    configured cmp backend at its own position (``selection_indices`` on the row's inputs)."""
+    per = []
+    for x in rows:
+        idx = selection_indices(x, config, plan, fallback)
+        t = torch.tensor(x.q_start, device=idx.device)
+        per.append(branch_tokens(config, t, selected_tokens(idx, config, x.q_start)))
+    return {b: torch.cat([p[b] for p in per], 0) for b in BRANCHES}
+
+
 class ForcedBranch(nn.Module):
     """Wraps an NSAAttention so that only ``branch`` runs (gates one-hot, other branches skipped).
-    Same forward as the layer: ``(x [B,T,dim], cache=None) -> [B,T,dim]``."""
+    Same forward as the layer: ``(x [B,T,dim], cache=None) -> [B,T,dim]``; on a ragged cache each row's
+    tokens go at its own position (a loop over ``cache.row(b)``, as ``NSAAttention.forward`` does)."""
 
     def __init__(self, layer: NSAAttention, branch: str):
         super().__init__()
@@ -117,6 +152,11 @@ class ForcedBranch(nn.Module):
     def forward(self, x, cache=None):
         L, c = self.layer, self.layer.config
         B, T, _ = x.shape
+        if cache is not None and cache.ragged:  # each row at its own position, as the module's forward does
+            lengths = cache.lengths
+            y = torch.cat([self(x[b:b + 1], cache.row(b)) for b in range(B)], 0)
+            cache.lengths = lengths + T
+            return y
         start = 0 if cache is None else cache.length
         q, kv, gates = project(L, x, start)
         if cache is None:
@@ -146,6 +186,28 @@ def dense_attention(q, k, v, causal: bool, kernel: str = "auto"):
         pick = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
     with pick:
         return sdpa_gqa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2)
+
+
+def key_mask(lengths: torch.Tensor, S: int, device) -> torch.Tensor:
+    """``[B,1,1,S]`` bool: key j of row b is read (j < lengths[b])."""
+    return (torch.arange(S, device=device)[None, :] < torch.as_tensor(lengths, device=device)[:, None])[:, None, None]
+
+
+def dense_attention_ragged(q, k, v, mask):
+    """Dense baseline of a ragged decode step: one query per row ``q [B,1,HQ,Dk]`` over that row's own keys,
+    ``k``/``v`` ``[B,S,H,D*]`` under the key mask ``mask [B,1,1,S]`` (``key_mask``). The G query heads of a
+    group are laid out as G queries of its key head (``[B,H,G,Dk]``), so SDPA reads the grouped cache as it
+    is: ``sdpa_gqa`` with a mask would repeat the keys/values to every query head (SDPA's GQA runs only in
+    its flash and math kernels, and flash takes no mask). The masked SDPA may run another kernel than the
+    unmasked one of ``dense_attention`` (e.g. memory-efficient attention or the math path instead of flash
+    or cuDNN), so its time includes that choice."""
+    B, T, HQ, Dk = q.shape
+    H = k.shape[2]
+    if T != 1:
+        raise ValueError(f"q: one decode query per row expected, got {tuple(q.shape)}")
+    o = F.scaled_dot_product_attention(q.reshape(B, H, HQ // H, Dk), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask)
+    return o.reshape(B, 1, HQ, v.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -192,9 +254,9 @@ def graph_ms(capture: Callable, fn: Callable[[], object], device: torch.device, 
 
 def decode_launch_tags(decoder) -> dict[str, str]:
     """A ``nsa.decode.GraphDecoder``'s launch modes as run tags: ``decode_pdl`` (programmatic dependent
-    launch between the step's kernels) and ``decode_fuse`` (two launches per step instead of four)."""
+    launch between the step's kernels) and ``decode_mode`` (launches per step: ``tuning.decode.mode``)."""
     p = decoder.kernel_params()
-    return {f"decode_{k}": str(p[k]) for k in ("pdl", "fuse")}
+    return {f"decode_{k}": str(p[k]) for k in ("pdl", "mode")}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:

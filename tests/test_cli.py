@@ -63,6 +63,8 @@ ONE_LINE = {
     "bad_syntax": ("decode", ["seq=[1,2"], ["seq=[1,2"]),
     "list_without_m": ("decode", ["seq=64,128"], ["add -m"]),
     "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),
+    "bad_decode_preference": ("decode", ["hardware=cpu", "++hardware.policy.by_entry={decode: {win: nope}}"],
+                              ["hardware.policy.by_entry.decode.win='nope'", "unknown backend"]),
 }
 # Store failures: one line naming the store and the cause, in seconds (MLflow alone retried for 107-252 s).
 STORE_DOWN = {
@@ -237,6 +239,16 @@ def test_mlflow_tracking_uri_is_the_store_unless_tracking_uri_is_given(cli_runs)
     assert len(rs) == 1 and f"store sqlite:///{tmp / 'cli.db'} (tracking.uri)" in err
     _, env_runs = entrypoints.runs(tmp / "env.db", "decode")
     assert len(env_runs) == 2  # only the sweep's
+
+
+def test_the_default_backend_is_auto_the_reference_on_a_cpu(cli_runs):
+    """No backend= on the command line: backend=auto, which the cpu profile resolves to the reference."""
+    tmp, rc, out, err, _ = cli_runs["cli_uri"]
+    assert rc == 0, err[-3000:]
+    _, (run,) = entrypoints.runs(tmp / "cli.db", "decode")
+    p, t = run.data.params, run.data.tags
+    assert p["backend"] == "auto" and t["hardware_profile"] == "cpu" and t["policy_overrides"] == "none"
+    assert [t[f"backend_{k}_{b}"] for k in ("plan", "ran") for b in ("cmp", "sel", "win")] == ["reference"] * 6
 
 
 def test_git_commit_is_this_projects_only(cli_runs):

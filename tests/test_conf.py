@@ -48,7 +48,7 @@ def test_every_entry_composes_and_validates(entry):
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
-def test_every_group_option_composes(group, option):
+def test_every_group_option_composes(group, option, monkeypatch):
     entry = "decode"
     over = [f"{group}={option}"]
     if group == "hardware" and option not in ("auto", "cpu"):
@@ -57,6 +57,8 @@ def test_every_group_option_composes(group, option):
     assert cfg[group] is not None
     if group == "backend" and option not in ("reference", "auto"):
         return  # resolves, but the GPU backends may be unavailable here: checked when a job runs
+    if group == "hardware" and option not in ("auto", "cpu"):
+        monkeypatch.setattr(config, "check_backends", lambda *a: None)  # backend=auto: the profile's GPU backends
     job = config.prepare(cfg, entry)
     assert job.seq == cfg.seq and isinstance(job.nsa, nsa.NSAConfig)
 
@@ -95,6 +97,66 @@ def test_rtx4090_policy_keeps_triton_selection_off_unless_forced(monkeypatch):
 def test_backend_auto_takes_the_profile_preference():
     job = config.prepare(_compose("decode", ["backend=auto", "hardware=cpu"]), "decode")
     assert job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
+
+
+@pytest.mark.parametrize("entry", ["decode", "prefill", "parity"])
+def test_the_default_backend_is_auto_and_the_reference_on_a_cpu(entry):
+    cfg = _compose(entry, hydra_cfg=True)
+    assert cfg.hydra.runtime.choices.backend == "auto" and all(cfg.backend[b] is None for b in config.BRANCHES)
+    job = config.prepare(cfg, entry)
+    assert job.profile.name == "cpu" and set(job.plan.values()) == {"reference"} and not job.policy_notes
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """hardware=auto on a faked H100; the backends' availability is not checked (no GPU here)."""
+    monkeypatch.setattr(hardware, "_DETECTED", hardware.Device("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "570", 1))
+    monkeypatch.setattr(config, "check_backends", lambda *a: None)
+
+
+def test_decode_takes_the_profiles_decode_preference(h100):
+    """h100's policy.by_entry.decode (all triton: the GraphDecoder step) for decode; prefill and parity keep
+    policy.preferred (win=sdpa). The run's policy notes say which preference chose the backends."""
+    job = config.prepare(_compose("decode"), "decode")
+    assert job.profile.name == "h100" and job.plan == dict.fromkeys(config.BRANCHES, "triton")
+    assert job.policy_notes == ["decode preference cmp=triton sel=triton win=triton (hardware=h100 "
+                                "policy.by_entry.decode; policy.preferred: cmp=triton sel=triton win=sdpa)"]
+    for entry in ("prefill", "parity"):
+        job = config.prepare(_compose(entry), entry)
+        assert job.plan == {"cmp": "triton", "sel": "triton", "win": "sdpa"} and not job.policy_notes
+
+
+def test_named_backends_win_over_the_decode_preference(h100):
+    job = config.prepare(_compose("decode", ["backend.win=sdpa"]), "decode")
+    assert job.plan == {"cmp": "triton", "sel": "triton", "win": "sdpa"}
+    assert job.policy_notes[0].startswith("decode preference cmp=triton sel=triton (")
+    job = config.prepare(_compose("decode", ["backend=reference"]), "decode")
+    assert set(job.plan.values()) == {"reference"} and not job.policy_notes
+
+
+def test_the_decode_preference_goes_before_by_seq_and_avoid_after_it(h100):
+    """Precedence for a branch left to auto: by_entry.<entry>, then by_seq, then preferred; avoid last."""
+    by_seq = ["hardware=h100", "+hardware.policy.by_seq={win: [{min_seq: 0, backend: fa2}]}"]
+    assert config.prepare(_compose("decode", by_seq), "decode").plan["win"] == "triton"
+    assert config.prepare(_compose("prefill", by_seq), "prefill").plan["win"] == "fa2"
+    avoid = ["hardware=h100", "++hardware.policy.avoid={sel: {backend: triton, instead: reference, reason: slow}}"]
+    job = config.prepare(_compose("decode", avoid), "decode")
+    assert job.plan == {"cmp": "triton", "sel": "reference", "win": "triton"}
+    assert "sel: triton -> reference (hardware=h100 policy: slow" in job.policy_notes[1]
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("{decode: {win: nope}}", "hardware.policy.by_entry.decode.win='nope': unknown backend; known: fa2, reference"),
+    ("{decode: {attn: triton}}", "hardware.policy.by_entry.decode.attn: unknown branch; one of cmp, sel, win"),
+    ("{decod: {win: triton}}", "hardware.policy.by_entry.decod: unknown entry point; one of decode, prefill"),
+    ("{decode: triton}", "hardware.policy.by_entry.decode='triton': must be a mapping branch -> backend"),
+    ("{prefill: {win: nope}}", "hardware.policy.by_entry.prefill.win='nope': unknown backend"),
+])
+def test_a_bad_entry_preference_is_a_config_error(value, needle):
+    """Checked whole, whatever the entry point: a profile's typo fails every job at once."""
+    with pytest.raises(config.ConfigError) as e:
+        config.prepare(_compose("decode", ["hardware=cpu", f"++hardware.policy.by_entry={value}"]), "decode")
+    assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", GROUPS["seq_len"])

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
 BRANCHES = ("cmp", "sel", "win")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
 ENTRY_CHECKS = {"train": "experiments.train:run_config"}
@@ -68,7 +69,7 @@ _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or 
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
-    "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.prefill_chunk": _INT1,
+    "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
     "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.graph_reps": _INT1, "decode.peers": _PEERS,
     "prefill.peers": _PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
@@ -170,6 +171,32 @@ def backend_by_seq(policy, branch: str, seq: int, profile: str) -> tuple[str, st
     return chosen
 
 
+def backends_by_entry(policy, entry: str) -> dict[str, str]:
+    """``policy.by_entry``: ``{entry: {branch: backend}}``, a profile's preference measured on one entry
+    point's own path (decode: the fused GraphDecoder step needs triton for every branch). The whole node
+    is checked (entry, branch and backend names); returns ``entry``'s branches with a backend ({} if none)."""
+    node = policy.get("by_entry")
+    where = "hardware.policy.by_entry"
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{where}={node!r}: must be a mapping entry -> {{branch: backend}}")
+    known = dispatch.known_backends()
+    for e, prefs in node.items():
+        if e not in ENTRIES:
+            raise ConfigError(f"{where}.{e}: unknown entry point; one of {', '.join(ENTRIES)}")
+        if prefs is None:
+            continue
+        if not isinstance(prefs, DictConfig):
+            raise ConfigError(f"{where}.{e}={prefs!r}: must be a mapping branch -> backend")
+        for b, name in prefs.items():
+            if b not in BRANCHES:
+                raise ConfigError(f"{where}.{e}.{b}: unknown branch; one of {', '.join(BRANCHES)}")
+            if name is not None and name not in known:
+                raise ConfigError(f"{where}.{e}.{b}={name!r}: unknown backend; known: {', '.join(known)}")
+    return {b: n for b, n in (node.get(entry) or {}).items() if n is not None}
+
+
 def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
 
@@ -220,12 +247,18 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     branch = cfg.branch_force.name if "branch_force" in cfg else "none"
     if branch not in ("none", *BRANCHES):
         raise ConfigError(f"branch_force={branch!r}: one of none, cmp, sel, win")
-    # Backends: names per branch (auto -> the profile's preferred), then the profile's policy.
+    # Backends. A branch named on the command line keeps its name; one left null (backend=auto) takes the
+    # profile's policy.by_entry.<entry>, else policy.by_seq's backend for seq, else policy.preferred. Then
+    # policy.avoid replaces a backend, named or not, unless policy.force.
     plan, notes = {}, []
     pol = profile.get("policy", {}) or {}
+    for_entry, from_entry = backends_by_entry(pol, entry), []
     for b in BRANCHES:
         name = cfg.backend.get(b)
-        if name is None:
+        if name is None and b in for_entry:
+            name = for_entry[b]
+            from_entry.append(b)
+        elif name is None:
             name = (pol.get("preferred") or {}).get(b, "reference")
             by_seq = backend_by_seq(pol, b, seq, profile.name)
             if by_seq is not None:
@@ -237,6 +270,11 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
                          f"hardware.policy.force=true runs it)")
             name = avoid.instead
         plan[b] = name
+    if from_entry:
+        pref = pol.get("preferred") or {}
+        notes.insert(0, f"{entry} preference " + " ".join(f"{b}={for_entry[b]}" for b in from_entry)
+                     + f" (hardware={profile.name} policy.by_entry.{entry}; policy.preferred: "
+                     + " ".join(f"{b}={pref.get(b, 'reference')}" for b in from_entry) + ")")
     try:
         plan = dispatch.resolve(plan)
     except ValueError as e:
@@ -260,11 +298,13 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     return job
 
 
-def check_memory(job: Job, est_bytes: float) -> None:
+def check_memory(job: Job, est_bytes: float, detail: str = "") -> None:
+    """ResourceLimit (one line; ``detail``, e.g. the estimate's parts, in brackets) where the estimate
+    exceeds limits.max_memory_gib."""
     lim = float(job.cfg.limits.max_memory_gib)
     if est_bytes > lim * 2**30:
         raise ResourceLimit(f"seq={job.seq}: estimated {est_bytes / 2**30:.3g} GiB of tensors exceeds "
-                            f"limits.max_memory_gib={lim:g}")
+                            f"limits.max_memory_gib={lim:g}" + (f" ({detail})" if detail else ""))
 
 
 def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:

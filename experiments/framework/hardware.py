@@ -2,8 +2,9 @@
 
 A profile says how to recognise its device (``match``: device type, name substrings, compute
 capability), its ceilings for roofline shares (``peak_hbm_gbps``, ``peak_bf16_tflops``) and a
-per-branch backend policy (``policy``: ``preferred`` for ``backend=auto``, ``avoid`` replacements
-that apply unless ``policy.force``). ``hardware=auto`` picks the first profile that matches.
+per-branch backend policy (``policy``: ``preferred`` for ``backend=auto``, refined per entry point by
+``by_entry`` and per length by ``by_seq``; ``avoid`` replacements that apply unless ``policy.force``;
+``config.prepare`` applies it). ``hardware=auto`` picks the first profile that matches.
 """
 from __future__ import annotations
 

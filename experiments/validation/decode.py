@@ -35,7 +35,7 @@ PARTS = ("cmp", "sel", "win")
 
 def uses_decoder(job) -> bool:
     """As experiments.decode: GraphDecoder on CUDA with CUDA graphs and triton for every branch."""
-    return bool(job.cfg.decode.cuda_graph) and job.device.type == "cuda" and all(b == "triton" for b in job.plan.values())
+    return decode_entry.uses_decoder(job)
 
 
 def shares(rows: list[dict]) -> dict:
@@ -73,7 +73,7 @@ def step_vs_reference(ctx: Context, S: int, B: int) -> dict:
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     cache = layer.new_cache(B, S, dev, dt)
-    measure.fill_cache(layer, cache, S, int(job.cfg.decode.prefill_chunk))
+    measure.fill_cache(layer, cache, S, int(job.cfg.decode.fill_tokens))
     inp = measure.cache_inputs(layer, cache, torch.randn(B, 1, c.dim, device=dev, dtype=dt))
     ref_dt = torch.float64 if dev.type == "cpu" else torch.float32
     o_ref, idx_ref = functional.nsa_attention(*(t.to(ref_dt) for t in inp.tensors().values()), c, backend="reference",

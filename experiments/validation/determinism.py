@@ -96,7 +96,7 @@ def decode_step(ctx: Context):
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     cache = layer.new_cache(B, S, dev, dt)
     with torch.no_grad():
-        measure.fill_cache(layer, cache, S - 1, int(job.cfg.decode.prefill_chunk))
+        measure.fill_cache(layer, cache, S - 1, int(job.cfg.decode.fill_tokens))
         xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
     if uses_decoder(job):
         dec = GraphDecoder(layer, cache)
