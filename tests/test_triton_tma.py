@@ -2,10 +2,11 @@
 what the per-element pointer loads compute.
 
 Under Triton's interpreter on CPU tensors, float32. Each case runs the same inputs twice, ``tma`` on
-and off, and asserts bit-equal outputs and gradients, and that the launch received descriptors (on)
-or none (off). The shapes cross every edge a descriptor block can cross: batch rows (B=2), the last
-query and key tiles (T not a multiple of the tile), padded head dims (D=24 in blocks of 32), and for
-the selection forward, indices of -1 and blocks whose tile reaches past the query's position.
+and off, and asserts bit-equal outputs and gradients (the selection forward: equal to float32
+rounding, see there), and that the launch received descriptors (on) or none (off). The shapes cross
+every edge a descriptor block can cross: batch rows (B=2), the last query and key tiles (T not a
+multiple of the tile), padded head dims (D=24 in blocks of 32), and for the selection forward, indices
+of -1 and blocks whose tile reaches past the query's position.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_compressed_branch_same_through_descriptors(monkeypatch, G):
 def test_selection_forward_same_through_descriptors(monkeypatch):
     """The query-outer selection forward reads key/value tiles through descriptors: rows outside the
     selected block (past t, j = -1, the other sequence of the batch) are data, not zeros, and must
-    still contribute nothing. Same o and gradients as the pointer loads."""
+    still contribute nothing. Same o and gradients as the pointer loads, to float32 rounding."""
     B, T, HQ, H, Dk, Dv, l_sel = 2, 40, 4, 2, 24, 16, 16
     cfg = _cfg(HQ, H, Dk, Dv, l_sel=l_sel, n_sel=3)
     g = torch.Generator().manual_seed(3)
@@ -108,8 +109,12 @@ def test_selection_forward_same_through_descriptors(monkeypatch):
         (on_out, on_grad), (off_out, off_grad) = _run_twice(
             lambda q, k, v: (selection.selected_attention(q, k, v, idx, cfg),), xs, ("selection",))
     assert fwd == [True, False]
+    # A row that leaked into the sums would move them by O(1). The interpreter's float32 products
+    # (numpy's matmul) of tiles that hold other data in the masked rows need not round alike: numpy 2.4.6
+    # with OpenBLAS 0.3.31 on this CPU differs in the last bits (<= 1e-6 here), so to float32 rounding.
     for a, b in zip(on_out + on_grad, off_out + off_grad):
-        assert torch.isfinite(a.double()).all() and torch.equal(a, b)
+        assert torch.isfinite(a.double()).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_descriptors_only_where_they_apply():
