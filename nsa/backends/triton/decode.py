@@ -658,9 +658,9 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
                          f"and triton >= 3.4 (here: {'triton without gdc' if not HAS_GDC else 'no such GPU'})")
     topn = tune["topn"]
     if topn == "auto":
-        # bitonic, except for many groups over long caches, where its longer program costs more than the
-        # n_sel argmaxes (H100, h200bench: B=32 at 64k 0.207 ms with argmaxes vs 0.223; B=1 at 64k 30.7 us
-        # with the bitonic top-k vs 33.3; B=256 at 8k 0.459 vs 0.468 ms: BENCHMARKS.md "Decode at B=1")
+        # bitonic: fewer dependent reductions than n_sel argmaxes, so a shorter chain at small batches;
+        # but for many groups over long caches its longer program costs more throughput than it saves
+        # (BENCHMARKS.md, "Decode at B=1": B=32 at 64k)
         long_many = p2(c.n_blocks(max_len), 16) >= 1024 and B * H >= 32
         topn = "bitonic" if HAS_TOPK and not long_many else "argmax"
     elif topn == "bitonic" and not HAS_TOPK:
