@@ -253,8 +253,8 @@ class NSAAttention(nn.Module):
     @staticmethod
     def _check_packed_prefill(cache: NSACache, docs) -> None:
         if docs.n_docs != cache.batch_size:
-            raise ValueError(f"cu_seqlens: packed documents are for prefill/training; a cache takes one document "
-                             f"per batch row: {docs.n_docs} documents for a cache of batch_size={cache.batch_size}")
+            raise ValueError(f"cu_seqlens: a packed prefill into a cache takes one document per batch row: "
+                             f"{docs.n_docs} documents for a cache of batch_size={cache.batch_size}")
         if cache.length != 0:
             raise ValueError(f"cache: a packed prefill (cu_seqlens) fills an empty cache; this one holds "
                              f"{cache.lengths.tolist()} tokens per row (reset() it first)")

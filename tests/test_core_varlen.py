@@ -205,7 +205,8 @@ def test_packed_inputs_rules():
     with pytest.raises(ValueError, match=r"^scores: 2 blocks but the longest document of cu_seqlens \(20 tokens\)"):
         fn.select_blocks(scores, cfg, cu_seqlens=cu)
     layer = NSAAttention(make_config(**CONFIGS["G2"])).double()
-    with pytest.raises(ValueError, match=r"^cu_seqlens: packed documents are for prefill/training; a cache"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens: a packed prefill into a cache takes one document per batch "
+                                         r"row: 4 documents for a cache of batch_size=1"):
         layer(torch.zeros(1, 32, layer.config.dim, dtype=F64), layer.new_cache(1, 64), cu_seqlens=cu)
     with pytest.raises(ValueError, match=r"^cu_seqlens: its last offset N=32 must be the token count of x"):
         layer(torch.zeros(1, 31, layer.config.dim, dtype=F64), cu_seqlens=cu)

@@ -127,9 +127,8 @@ def test_packed_prefill_rules():
     prompts, new = _inputs([3, 9], 2)
     packed, cu = torch.cat(prompts, 1), cu_of([3, 9])
     with torch.no_grad():
-        with pytest.raises(ValueError, match=r"^cu_seqlens: packed documents are for prefill/training; a cache "
-                                             r"takes one document per batch row: 2 documents for a cache of "
-                                             r"batch_size=3$"):
+        with pytest.raises(ValueError, match=r"^cu_seqlens: a packed prefill into a cache takes one document per "
+                                             r"batch row: 2 documents for a cache of batch_size=3$"):
             layer(packed, layer.new_cache(3, 16), cu_seqlens=cu)
         with pytest.raises(ValueError, match=r"^cu_seqlens: document 1 has 9 tokens, more than the cache's "
                                              r"max_len=8$"):
