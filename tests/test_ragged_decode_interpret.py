@@ -19,16 +19,15 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import cu_of
+from test_decode_gpu_path import TOL, _reference_branches
 
-from nsa import NSAAttention, NSAConfig, reference
+from nsa import NSAAttention, NSAConfig
 from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning
 from nsa.decode import GraphDecoder, tokens_read
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
 pytestmark = [pytest.mark.skipif(_OLD_INTERPRETER is not None, reason=_OLD_INTERPRETER or ""),
               pytest.mark.usefixtures("fast_interpreter")]
-
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 # l=8, d=4: compressed token i is emitted at t = 4i + 7. Prompts: 3 (no compressed token visible for the
 # first steps, its first emission at the last), 7 (the first step completes a block), empty, 18 (past the
@@ -43,14 +42,6 @@ def _cfg(**kw):
     return NSAConfig(dim=24, n_heads=4, n_kv_heads=2, d_k=16, d_v=8, **base)  # G = 2, Dk != Dv
 
 
-def _known(tune):
-    try:
-        tuning.validate({"decode": tune})
-    except ValueError as e:
-        return pytest.param(tune, marks=pytest.mark.skip(reason=str(e)))
-    return tune
-
-
 TUNINGS = {  # the first also decodes each sequence alone (the others equal the module, which equals that)
     "split-kv": {"block_c": 4, "nsc": 2, "mode": "four"},
     "fused": {"block_c": 4, "nsc": 2, "mode": "two"},
@@ -63,16 +54,7 @@ def _decoder(m, cache, tune):
         return GraphDecoder(m, cache)
 
 
-def _reference_indices(cfg, cache, q, t):
-    """The reference's selected blocks for the query q [1,HQ,Dk] at position t of a one-row cache."""
-    S = t + 1
-    nc = cfg.n_cmp(S)
-    _, idx = reference.compressed_branch(q[:, None], cache.k_cmp[:, :nc], cache.v_cmp[:, :nc], cfg, q_start=t,
-                                         n_keys=S)
-    return idx
-
-
-@pytest.mark.parametrize("tune", [_known(t) for t in TUNINGS.values()], ids=list(TUNINGS))
+@pytest.mark.parametrize("tune", list(TUNINGS.values()), ids=list(TUNINGS))
 def test_ragged_steps_equal_the_module_and_each_sequence_alone(tune):
     torch.manual_seed(0)
     cfg = _cfg(phi="mlp")
@@ -104,7 +86,7 @@ def test_ragged_steps_equal_the_module_and_each_sequence_alone(tune):
         torch.testing.assert_close(y, y_ref, **TOL, msg=f"step {s} (positions {pos}) vs the module's decode")
         # each row's top-n is the reference's at that row's own position
         for b, t in enumerate(pos):
-            idx = _reference_indices(cfg, cref.row(b), dec.last["q"][b:b + 1], t)
+            idx = _reference_branches(cfg, cref.row(b), dec.last["q"][b:b + 1], t)[1]
             assert torch.equal(dec.indices()[b:b + 1], idx), f"step {s} row {b} (t={t})"
         # the kernels' counters, per row, equal a count from the indices at each row's own length
         ind = tokens_read(cfg, cache.lengths, dec.indices())

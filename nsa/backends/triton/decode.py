@@ -183,10 +183,7 @@ def _cmp_split(q, kc_ptr, vc_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, bh,
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    row = bh * NSC + sp
-    tl.store(pm_ptr + row * BG + offs_g, m_i)
-    tl.store(pl_ptr + row * BG + offs_g, l_i)
-    tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
+    _store_partial(pm_ptr, pl_ptr, pacc_ptr, bh * NSC + sp, m_i, l_i, acc, BG, BDV)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + 0, tl.maximum(c1 - c0, 0))
 
@@ -221,12 +218,7 @@ def _cmp_topk(bh, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_pt
     gmask = offs_g < G
     # ---- combine the split partials: o_cmp, and each head's softmax max M and normalizer Lsum
     # (one tile load for m / l; the acc loop is unrolled so its loads are all in flight at once)
-    offs_s = tl.arange(0, NSC_PAD)
-    smask = offs_s[:, None] < NSC
-    prow = (bh * NSC + offs_s)[:, None] * BG + offs_g[None, :]
-    ms = tl.load(pm_ptr + prow, mask=smask, other=NEG)
-    M = tl.max(ms, 0)
-    Lsum = tl.sum(tl.load(pl_ptr + prow, mask=smask, other=0.0) * tl.exp2(ms - M[None, :]), 0)
+    M, Lsum = _merged_stats(pm_ptr, pl_ptr, bh, offs_g, NSC, NSC_PAD, BG)
     acc = tl.zeros([BG, BDV], tl.float32)
     for sp in tl.static_range(NSC):
         row = bh * NSC + sp
@@ -239,6 +231,18 @@ def _cmp_topk(bh, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_pt
     if DO_TOPK:
         _topn(t, n_vis, sc_ptr + bh * G * TCS, psum_ptr + bh * TCS, idx_ptr + bh * N_SEL, M, Lsafe, offs_g, gmask,
               TCS, L, D, LS, N_SEL, N_INIT, N_LOCAL, NB_PAD, BSEL, BLOCK_T, TOPK)
+
+
+@triton.jit
+def _merged_stats(pm_ptr, pl_ptr, bh, offs_g, NSC: tl.constexpr, NSC_PAD: tl.constexpr, BG: tl.constexpr):
+    """Each head's softmax max M and normalizer Lsum over the compressed tokens, from group bh's NSC
+    split partials (one tile load for m and one for l)."""
+    offs_s = tl.arange(0, NSC_PAD)
+    smask = offs_s[:, None] < NSC
+    prow = (bh * NSC + offs_s)[:, None] * BG + offs_g[None, :]
+    ms = tl.load(pm_ptr + prow, mask=smask, other=NEG)
+    M = tl.max(ms, 0)
+    return M, tl.sum(tl.load(pl_ptr + prow, mask=smask, other=0.0) * tl.exp2(ms - M[None, :]), 0)
 
 
 @triton.jit
@@ -387,10 +391,7 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, str
         m_i = m_new
         if COUNT:
             n_read += tl.sum(tmask.to(tl.int32), 0)
-    row = bh * NS_TOT + sp
-    tl.store(pm_ptr + row * BG + offs_g, m_i)
-    tl.store(pl_ptr + row * BG + offs_g, l_i)
-    tl.store(pacc_ptr + row * (BG * BDV) + offs_g[:, None] * BDV + offs_dv[None, :], acc)
+    _store_partial(pm_ptr, pl_ptr, pacc_ptr, bh * NS_TOT + sp, m_i, l_i, acc, BG, BDV)
     if COUNT:
         tl.atomic_add(cnt_ptr + bh * 3 + tl.where(is_sel, 1, 2), n_read)
     if FUSE:
@@ -504,11 +505,7 @@ def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, 
     offs_dv = tl.arange(0, BDV)
     gmask = offs_g < G
     q = _group_rows(q_ptr, b, h, stride_qb, stride_qh, offs_g, offs_dk, gmask, G, DK)
-    offs_s = tl.arange(0, NSC_PAD)
-    prow = (bh * NSC + offs_s)[:, None] * BG + offs_g[None, :]
-    ms = tl.load(cm_ptr + prow, mask=offs_s[:, None] < NSC, other=NEG)
-    M = tl.max(ms, 0)
-    Lsum = tl.sum(tl.load(cl_ptr + prow, mask=offs_s[:, None] < NSC, other=0.0) * tl.exp2(ms - M[None, :]), 0)
+    M, Lsum = _merged_stats(cm_ptr, cl_ptr, bh, offs_g, NSC, NSC_PAD, BG)
     j, chosen, rank = _pick(t, n_vis, sc_ptr + bh * G * TCS, psum_ptr + (bh * NS_SEL + sp) * TCS, M,
                             tl.where(Lsum > 0, Lsum, 1.0), offs_g, gmask, TCS, L, D, LS, N_SEL, N_INIT, N_LOCAL,
                             NB_PAD, BLOCK_T, TOPK)
