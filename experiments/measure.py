@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, dispatch, functional
+from nsa.module import forward_rows
 from nsa._compat import sdpa_gqa
 
 BRANCHES = ("cmp", "sel", "win")
@@ -143,7 +144,7 @@ def ragged_parts(rows: list[CoreInputs], config: NSAConfig, plan: Mapping[str, s
 class ForcedBranch(nn.Module):
     """Wraps an NSAAttention so that only ``branch`` runs (gates one-hot, other branches skipped).
     Same forward as the layer: ``(x [B,T,dim], cache=None) -> [B,T,dim]``; on a ragged cache each row's
-    tokens go at its own position (a loop over ``cache.row(b)``, as ``NSAAttention.forward`` does)."""
+    tokens go at its own position (``nsa.module.forward_rows``, as ``NSAAttention.forward`` does)."""
 
     def __init__(self, layer: NSAAttention, branch: str):
         super().__init__()
@@ -153,10 +154,7 @@ class ForcedBranch(nn.Module):
         L, c = self.layer, self.layer.config
         B, T, _ = x.shape
         if cache is not None and cache.ragged:  # each row at its own position, as the module's forward does
-            lengths = cache.lengths
-            y = torch.cat([self(x[b:b + 1], cache.row(b)) for b in range(B)], 0)
-            cache.lengths = lengths + T
-            return y
+            return forward_rows(self, x, cache)
         start = 0 if cache is None else cache.length
         q, kv, gates = project(L, x, start)
         if cache is None:

@@ -132,6 +132,22 @@ class NSACache:
         self.length = 0
 
 
+def forward_rows(step, x: torch.Tensor, cache: NSACache) -> torch.Tensor:
+    """A ragged cache: each row's T tokens of ``x [B,T,dim]`` at its own position, through ``step(x_b,
+    cache_b)`` (a layer's one-sequence cached forward) on the row's views (the reference: a loop over
+    rows). Nothing is written unless every row fits."""
+    B, T, _ = x.shape
+    if B != cache.batch_size:
+        raise ValueError(f"x: batch {B} differs from the cache's batch_size {cache.batch_size}")
+    lengths = cache.lengths
+    if cache.length + T > cache.max_len:
+        raise ValueError(f"cache: appending {T} tokens at position {cache.length} (its longest row) exceeds "
+                         f"max_len={cache.max_len}")
+    y = torch.cat([step(x[b:b + 1], cache.row(b)) for b in range(B)], 0)
+    cache.lengths = lengths + T
+    return y
+
+
 class NSAAttention(nn.Module):
     """The NSA attention layer. ``forward(x [B,T,dim], cache=None, *, cu_seqlens=None) -> [B,T,dim]``.
 
@@ -282,18 +298,7 @@ class NSAAttention(nn.Module):
             c0 += nc
 
     def _forward_rows(self, x: torch.Tensor, cache: NSACache) -> torch.Tensor:
-        """A ragged cache: each row's T tokens at its own position, through the one-sequence path on
-        the row's views (the reference: a loop over rows). Nothing is written unless every row fits."""
-        B, T, _ = x.shape
-        if B != cache.batch_size:
-            raise ValueError(f"x: batch {B} differs from the cache's batch_size {cache.batch_size}")
-        lengths = cache.lengths
-        if cache.length + T > cache.max_len:
-            raise ValueError(f"cache: appending {T} tokens at position {cache.length} (its longest row) exceeds "
-                             f"max_len={cache.max_len}")
-        y = torch.cat([self(x[b:b + 1], cache.row(b)) for b in range(B)], 0)
-        cache.lengths = lengths + T
-        return y
+        return forward_rows(self, x, cache)
 
     def _append(self, cache: NSACache, x: torch.Tensor, kv: dict):
         """Write the new tokens into the cache and emit the compressed tokens whose block just
