@@ -57,26 +57,18 @@ from nsa.backends.triton.utils import p2
 from nsa.decode import GraphDecoder, tokens_read
 
 from . import measure, peers
-from .framework import Charts, Job, Result, check_memory, config, launch, run_job
+from .framework import Charts, Job, Result, check_memory, launch, run_job
 
 BRANCHES = ("cmp", "sel", "win")
 log = logging.getLogger("experiments.decode")
 
 
 def check_config(job: Job) -> None:
-    """decode's own rules beyond ``config.RULES`` (``config.prepare`` runs this, registered below in
-    ``ENTRY_CHECKS``: a ValueError is a config error, one line, exit 2, before any run)."""
-    ragged = job.cfg.decode.get("ragged", False)
-    if not isinstance(ragged, bool):
-        raise ValueError(f"decode.ragged={ragged!r}: must be true or false")
-    if ragged and job.seq < 2:
+    """decode's own rules beyond ``config.RULES`` (``config.prepare`` runs this, ``config.ENTRY_CHECKS``: a
+    ValueError is a config error, one line, exit 2, before any run)."""
+    if job.cfg.decode.ragged and job.seq < 2:
         raise ValueError(f"decode.ragged=true: seq={job.seq} must be >= 2 (each sequence's length is drawn in "
                          "[seq/2, seq], and seq/2 must be >= 1)")
-
-
-# The framework's table of entry-point checks (experiments/framework/config.py) names train's; decode's is
-# added here, so every prepare() of a decode job (a single run, each job of a sweep) applies it.
-config.ENTRY_CHECKS.setdefault("decode", "experiments.decode:check_config")
 
 
 def ragged_lengths(seq: int, batch: int, seed: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.f
 ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
-ENTRY_CHECKS = {"train": "experiments.train:run_config"}
+ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config"}
 
 
 class ConfigError(ValueError):
@@ -70,7 +70,8 @@ _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.graph_reps": _INT1, "decode.peers": _PEERS,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
+    "decode.peers": _PEERS,
     "prefill.peers": _PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
