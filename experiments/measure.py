@@ -252,9 +252,10 @@ def graph_ms(capture: Callable, fn: Callable[[], object], device: torch.device, 
 
 def decode_launch_tags(decoder) -> dict[str, str]:
     """A ``nsa.decode.GraphDecoder``'s launch modes as run tags: ``decode_pdl`` (programmatic dependent
-    launch between the step's kernels) and ``decode_mode`` (launches per step: ``tuning.decode.mode``)."""
+    launch between the step's kernels), ``decode_mode`` (launches per step: ``tuning.decode.mode``) and
+    ``decode_prologue`` (the layer step's RoPE, cache writes, phi and gates: ``tuning.decode.prologue``)."""
     p = decoder.kernel_params()
-    return {f"decode_{k}": str(p[k]) for k in ("pdl", "mode")}
+    return {f"decode_{k}": str(p[k]) for k in ("pdl", "mode", "prologue")}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:

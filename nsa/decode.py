@@ -15,13 +15,16 @@ gives what it gives (tests/test_decode_gpu_path.py).
 
 Design: the positions live in a device tensor ``_pos`` ``[B]``, one per sequence (all equal in a
 uniform batch; after a packed prefill each row at its own length: a ragged batch, spec "Module
-level"); the step projects (one fused GEMM for q and the six branch keys/values), applies the
-module's RoPE (``nsa.module.apply_rope``) from a table gathered at each row's position, writes the
-new raw tokens there (one ``index_put_`` per buffer: row b at ``_pos[b]``), and always runs the
-compression phi over each row's last l raw compression keys/values: when a row's block completes
-(t = i*d + l - 1) the result goes to its compressed row i, otherwise to a scratch row past the end
-(the compressed cache gets one extra row; ``cache.k_cmp`` / ``v_cmp`` become views of the first Tc
-rows, so the module's own forward keeps working on the same cache). Then the backend's decode
+level"); the step projects (one GEMM for q, the six branch keys/values and the gate's first Linear),
+then the backend's prologue kernels (``tuning.decode.prologue=triton``: nsa/backends/triton/step.py)
+apply RoPE at each row's position, write the new raw tokens there, compute the gates and, for the
+rows whose compression block completes (t = i*d + l - 1), phi into compressed row i. The reference
+path of that prologue (``prologue=torch``) is torch ops: the module's RoPE (``nsa.module.apply_rope``)
+from a table gathered at each row's position, one ``index_put_`` per buffer (row b at ``_pos[b]``),
+and phi over each row's last l raw compression keys/values at every step, into compressed row i when
+the block completes, otherwise into a scratch row past the end (the compressed cache has one extra
+row; ``cache.k_cmp`` / ``v_cmp`` are views of the first Tc rows, so the module's own forward keeps
+working on the same cache). Then the backend's decode
 kernels (``nsa.dispatch``: the backend is chosen per branch like the prefill path, so
 ``dispatch.record()`` says what ran and an unavailable backend raises ``BackendUnavailable``; the
 ``triton`` backend's are ``nsa.backends.triton.decode``, each query at its row's position):
@@ -129,6 +132,7 @@ class GraphDecoder:
         self.sync_position()
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         self._cos, self._sin = rope_cos_sin(torch.arange(self.max_len, device=self.device), c.d_k, c.rope_base, acc)
+        self._prologue = getattr(self._kernels, "prologue", None)  # the backend's kernels for _project, if any
         self.refresh_weights()
         self._graph = self._y = None
         self._graph_advances = False
@@ -139,10 +143,18 @@ class GraphDecoder:
     def refresh_weights(self):
         m, c = self.module, self.config
         names = ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"]
-        with torch.no_grad():
-            self._w_qkv = torch.cat([m.q_proj.weight] + [m.kv_proj[n].weight for n in names], 0).detach().clone()
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         self._split_sizes = [HQ * Dk] + [H * (Dk if n[0] == "k" else Dv) for n in names]
+        n_qkv = sum(self._split_sizes)
+        with torch.no_grad():
+            ws = [m.q_proj.weight] + [m.kv_proj[n].weight for n in names]
+            if self._prologue is not None:  # and the gate's (first) Linear, with its bias: one GEMM
+                g1 = m.gate[0] if c.gate_hidden else m.gate
+                self._w_cat = torch.cat(ws + [g1.weight], 0).detach().clone()
+                self._b_cat = torch.cat([g1.bias.new_zeros(n_qkv), g1.bias]).detach().clone()
+                self._w_qkv = self._w_cat[:n_qkv]
+            else:
+                self._w_qkv = torch.cat(ws, 0).detach().clone()
 
     def sync_position(self):
         """After the cache was filled by other means (``module.forward(x, cache)``): the device
@@ -175,10 +187,15 @@ class GraphDecoder:
     # ------------------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor):
         """Projections + RoPE at each row's position; writes the raw tokens there and emits the
-        compressed tokens. Returns (q [B,HQ,Dk], gates [B,HQ,3])."""
+        compressed tokens: the backend's prologue kernels, or (``prologue=torch``) the torch ops below.
+        Returns (q [B,HQ,Dk], gates [B,HQ,3])."""
         c, cache, m = self.config, self.cache, self.module
         B, HQ, H, Dk, Dv = self.B, c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         x2 = x.reshape(B, c.dim)
+        raw = (cache.k_cmp_raw, cache.v_cmp_raw, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win)
+        if self._prologue is not None:
+            P = torch.addmm(self._b_cat, x2, self._w_cat.t())
+            return self._prologue(P, self._pos, self._cos, self._sin, raw, self._k_cmp_ext, self._v_cmp_ext, m)
         q, kc, vc, ks, vs, kw, vw = torch.matmul(x2, self._w_qkv.t()).split(self._split_sizes, dim=-1)
         cos = self._cos.index_select(0, self._pos)[:, None]  # [B,1,Dk]: row b's position, every head
         sin = self._sin.index_select(0, self._pos)[:, None]

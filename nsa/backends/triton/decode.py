@@ -670,7 +670,7 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
         mode = "three" if gpu and B * H * c.n_sel <= n_sm and c.n_blocks(max_len) <= 512 else "four"
     if mode == "three" and tune["nsc"] is None and gpu:
         nsc = max(1, min(-(-TCS // block_c), 8))  # one tile of the compressed pass a split, at most 8
-    return dict(pdl=pdl, mode=mode, BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
+    return dict(pdl=pdl, mode=mode, prologue=tune["prologue"], BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
                 block_c=block_c, nsc=nsc, NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2),
                 BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc, sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per),
                 win_per=win_per, ns_sel=ns_sel, ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"],
@@ -709,6 +709,12 @@ class DecodeKernels:
         self.counts = torch.zeros(BH, 3, device=device, dtype=torch.int32)
         self.sem = torch.zeros(2, BH, device=device, dtype=torch.int32)  # fused steps: programs done per group
         self.out = torch.empty(B, c.n_heads, c.d_v, device=device, dtype=dtype)
+        # the layer step's RoPE, cache writes, phi and gates (GraphDecoder; None: its torch ops)
+        self.prologue = None
+        if p["prologue"] == "triton":
+            from .step import StepPrologue
+
+            self.prologue = StepPrologue(c, B, device, dtype, pdl=p["pdl"], warps=p["warps"], prec=self.prec)
         if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
             self.sel_psum = torch.empty(BH * p["ns_sel"], p["TCS"], **f32)
         if p["mode"] == "one":  # per program: scores and top-n; per group: the partials
