@@ -58,10 +58,10 @@ IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
 FOUR = len(CASES)
 # tuning.decode.mode: two (the top-n and the combine run in the last program of their pass); three (the
 # window beside the compressed pass, the top-n in every selected-branch program; sel_per=2 with n_sel=3:
-# one program gets one slot and an empty one); topn: n_sel argmaxes (the base cases) or tl.topk (n_sel =
-# 3 and 4: k = 4)
-for mode, extra in (("two", {}), ("three", {}), ("three", {"sel_per": 2, "win_per": 2}), ("four", {"topn": "bitonic"}),
-                    ("three", {"topn": "bitonic"})):
+# one program gets one slot and an empty one; the combine in 4 programs a group, 4 value dims each); topn:
+# n_sel argmaxes (the base cases) or tl.topk (n_sel = 3 and 4: k = 4)
+for mode, extra in (("two", {}), ("three", {}), ("three", {"sel_per": 2, "win_per": 2, "combine_split": 4}),
+                    ("four", {"topn": "bitonic"}), ("three", {"topn": "bitonic"})):
     CASES += [case[:-1] + ({**case[-1], "mode": mode, **extra},) for case in CASES[:FOUR]]
     IDS += [f"{i}-{mode}" + "".join(f"-{k}{v}" for k, v in extra.items()) for i in IDS[:FOUR]]
 

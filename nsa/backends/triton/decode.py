@@ -28,7 +28,8 @@ bytes):
 2. ``_dec_sel_topn``     grid (B*H, NS_SEL): every program merges the compressed statistics, picks the
    group's top-n itself (the same blocks in each: no program waits for another) and attends to its
    selected blocks.
-3. ``_dec_combine3``     grid (B*H,): merges the three branches' partials and applies the gates.
+3. ``_dec_combine3``     grid (B*H, combine_split): merges the three branches' partials and applies the gates
+   (``tuning.decode.combine_split``: at B=1 a group's value dims are shared among programs).
 
 ``two`` (slower on the H100, BENCHMARKS.md): four's kernels in two launches, the program of a group
 that finishes its pass last (an atomic count per group, released and acquired at GPU scope) running
@@ -544,34 +545,39 @@ def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, 
 @triton.jit
 def _dec_combine3(cm_ptr, cl_ptr, cacc_ptr, pm_ptr, pl_ptr, pacc_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
                   stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, NSC: tl.constexpr,
-                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
-    """Launch 3 of 3 (mode "three"): o = sum over branches of g_c * (merge of branch c's partials)."""
+                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, BDVC: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Launch 3 of 3 (mode "three"): o = sum over branches of g_c * (merge of branch c's partials), for
+    value dims BDVC*program_id(1).. (at B=1 a group's merge is spread over several programs)."""
     _pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
     offs_g = tl.arange(0, BG)
-    offs_dv = tl.arange(0, BDV)
+    offs_dv = tl.program_id(1) * BDVC + tl.arange(0, BDVC)
     heads = h * G + offs_g
     gmask = offs_g < G
     g_base = g_ptr + b * stride_gb + heads * stride_gh
-    o = tl.zeros([BG, BDV], tl.float32)
-    o = _add_merged(o, g_base, gmask, cm_ptr, cl_ptr, cacc_ptr, bh, offs_g, offs_dv, 0, 0, NSC, NSC, BG, BDV)
-    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 1, 0, NS_SEL, NS_TOT, BG, BDV)
-    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 2, NS_SEL, NS_TOT, NS_TOT, BG, BDV)
+    o = tl.zeros([BG, BDVC], tl.float32)
+    o = _add_merged(o, g_base, gmask, cm_ptr, cl_ptr, cacc_ptr, bh, offs_g, offs_dv, 0, 0, NSC, NSC, BG, BDV, BDVC)
+    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 1, 0, NS_SEL, NS_TOT, BG, BDV,
+                    BDVC)
+    o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 2, NS_SEL, NS_TOT, NS_TOT, BG,
+                    BDV, BDVC)
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :], o.to(out_ptr.dtype.element_ty),
              mask=gmask[:, None] & (offs_dv[None, :] < DV))
 
 
 @triton.jit
 def _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, C: tl.constexpr, SP0: tl.constexpr,
-                SP1: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr):
-    """o + g_c * (flash-decoding merge of the partials of splits SP0..SP1-1): branch c's gated output."""
+                SP1: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, BDVC: tl.constexpr):
+    """o + g_c * (flash-decoding merge of the partials of splits SP0..SP1-1): branch c's gated output, at the
+    BDVC value dims ``offs_dv`` of the partials' BDV."""
     M = tl.full([BG], NEG, tl.float32)
     for sp in tl.static_range(SP0, SP1):
         M = tl.maximum(M, tl.load(pm_ptr + (bh * NS_TOT + sp) * BG + offs_g))
     Ls = tl.zeros([BG], tl.float32)
-    acc = tl.zeros([BG, BDV], tl.float32)
+    acc = tl.zeros([BG, BDVC], tl.float32)
     for sp in tl.static_range(SP0, SP1):
         row = bh * NS_TOT + sp
         w = tl.exp2(tl.load(pm_ptr + row * BG + offs_g) - M)
@@ -612,10 +618,11 @@ def _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
         oc = tl.load(ocmp_ptr + (b * (H * G) + heads)[:, None] * DV + offs_dv[None, :], mask=omask, other=0.0)
         o += gc[:, None] * oc
     if HAS_SEL:
-        o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 1, 0, NS_SEL, NS_TOT, BG, BDV)
+        o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 1, 0, NS_SEL, NS_TOT, BG, BDV,
+                        BDV)
     if HAS_WIN:
         o = _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv, 2, NS_SEL, NS_TOT, NS_TOT, BG,
-                        BDV)
+                        BDV, BDV)
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
              o.to(out_ptr.dtype.element_ty), mask=omask)
 
@@ -670,7 +677,16 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
         mode = "three" if gpu and B * H * c.n_sel <= n_sm and c.n_blocks(max_len) <= 512 else "four"
     if mode == "three" and tune["nsc"] is None and gpu:
         nsc = max(1, min(-(-TCS // block_c), 8))  # one tile of the compressed pass a split, at most 8
-    return dict(pdl=pdl, mode=mode, prologue=tune["prologue"], BG=p2(c.G, 16), BDK=p2(c.d_k, 16), BDV=p2(c.d_v, 16), TCS=TCS,
+    BDV = p2(c.d_v, 16)
+    split = tune["combine_split"]
+    if split is None:  # mode three's combine: about 2 programs an SM in all, chunks of >= 16 value dims
+        split = min(BDV // 16, max(1, n_sm // (2 * B * H))) if gpu else 1
+        split = 1 << (split.bit_length() - 1)
+    elif split & (split - 1) or split > BDV:
+        raise ValueError(f"tuning.decode.combine_split={split}: a power of two of at most {BDV} (the value dims "
+                         "padded: next_pow2(d_v), at least 16)")
+    return dict(pdl=pdl, mode=mode, prologue=tune["prologue"], combine_split=split, BG=p2(c.G, 16), BDK=p2(c.d_k, 16),
+                BDV=BDV, TCS=TCS,
                 block_c=block_c, nsc=nsc, NB_PAD=p2(c.n_blocks(max_len), 16), BSEL=p2(c.n_sel, 2),
                 BLS=p2(c.l_sel, 16), bw=bw, nwc=nwc, sel_per=sel_per, sel_vec=tune["sel_vec"] or p2(sel_per),
                 win_per=win_per, ns_sel=ns_sel, ns_win=ns_win, ns_tot=ns_sel + ns_win, warps=tune["warps"],
@@ -828,8 +844,8 @@ class DecodeKernels:
             qk, p["TCS"], LS=c.l_sel, N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local, NSC=p["nsc"],
             NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BLOCK_T=p["block_t"],
             TOPK=p["topk"], BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], num_warps=p["sel_warps"], **common, **pdl)
-        _dec_combine3[(BH,)](
+        _dec_combine3[(BH, p["combine_split"])](
             self.cm, self.cl, self.cacc, self.sm, self.sl, self.sacc, gates, self.out,
             gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
             H=H, G=G, DV=c.d_v, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
-            num_warps=p["warps"], **pdl)
+            BDVC=p["BDV"] // p["combine_split"], num_warps=p["warps"], **pdl)

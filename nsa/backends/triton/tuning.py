@@ -112,6 +112,8 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
                  "the top-n in every selected-branch program, the combine); auto: on a GPU, three while "
                  "B*H*n_sel programs fit the SMs and the cache has at most 512 selection blocks, else four"),
         "sel_warps": (int, "warps of the selected-branch programs of mode three (they pick the top-n); None: warps"),
+        "combine_split": (int, "programs per group of mode three's combine, each on a share of the value dims (a "
+                               "power of two); None: about 2 programs an SM, at least 16 dims each"),
         "prologue": (("triton", "torch"),
                      "GraphDecoder's layer step between its input GEMM and the attention (RoPE, cache writes, phi, "
                      "gates): two Triton kernels (nsa/backends/triton/step.py), or the torch ops of the reference "
@@ -135,7 +137,7 @@ _CUDA = {
                       part_bytes_max=None, tma=None),
     "gate": dict(rows=16, warps=4),
     "decode": dict(block_c=64, nsc=None, bw=64, sel_per=None, sel_vec=1, win_per=None, warps=4, topk_warps=8,
-                   block_t=256, pdl=None, mode="auto", topn="auto", sel_warps=None, prologue="triton"),
+                   block_t=256, pdl=None, mode="auto", topn="auto", sel_warps=None, combine_split=None, prologue="triton"),
 }
 
 # The interpreter runs programs one after another: tests want small tiles (borders crossed at tiny
@@ -147,7 +149,7 @@ _INTERPRET = {
     "attention_bwd": dict(rows=16, block_n=16, warps=4, stages=1, programs=8, split_max=4, tma=None),
     "topn": dict(elems=2048, warps=4),
     "decode": dict(block_c=16, nsc=None, bw=None, sel_per=None, sel_vec=None, win_per=None, warps=4, topk_warps=4,
-                   block_t=16, pdl=False, mode="auto", topn="auto", sel_warps=None, prologue="triton"),
+                   block_t=16, pdl=False, mode="auto", topn="auto", sel_warps=None, combine_split=None, prologue="triton"),
 }
 
 TABLES: dict[str, dict[str, dict[str, Any]]] = {"cuda": _CUDA, "interpret": _INTERPRET}
