@@ -4,8 +4,9 @@ reference path of ``nsa.decode.GraphDecoder``), through the Triton interpreter o
 
 Over a ragged batch (rows at different positions: blocks complete at each row's own steps), phi = MLP and
 mean, a gate MLP and a plain gate Linear, Dk not a power of two, Dk != Dv, phi's hidden width not a multiple
-of the kernels' unit share, and phi's first layer split over block rows (several partial sums, the last
-share cut short by the block's end): every step's output, q and gates, and every cache the steps write.
+of the kernels' unit share, phi's first layer split over block rows (several partial sums, the last share
+cut short by the block's end) and phi's programs over several sequences (the last one's rows past the
+batch): every step's output, q and gates, and every cache the steps write.
 The path a prologue must not take raises: the torch ops under ``triton``, the kernels under ``torch``.
 """
 from __future__ import annotations
@@ -35,20 +36,26 @@ CACHES = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win", "k_cmp",
 LENS, STEPS = [3, 0, 13], 10  # l=8, d=4: blocks complete at t = 4i + 7
 
 
-# (config overrides, phi fc1 elements per program: 1536 with D=16 (BD 16) and 32 units -> 3 block rows a
-# share, shares of rows 0-2, 3-5, 6-7)
+# (config overrides, StepPrologue class attributes). SHARE: phi fc1 elements per program, 1536 with D=16
+# (BD 16) and 32 units -> 3 block rows a share: shares of rows 0-2, 3-5, 6-7. ROWS: (sequence, group) rows
+# per phi program, 4 with H=2 -> 2 sequences a program: programs for rows (0, 1) and (2, -)
 CASES = {
-    "mlp-gateMLP-Dk12-Dv8": (dict(d_k=12, d_v=8, phi="mlp", gate_hidden=16), None),
-    "mlp-hidden40-rowshares": (dict(d_k=16, d_v=16, phi="mlp", gate_hidden=8, phi_hidden=40), 1536),
-    "mean-gateLinear": (dict(d_k=16, d_v=8, phi="avg", gate_hidden=0), None),
+    "mlp-gateMLP-Dk12-Dv8": (dict(d_k=12, d_v=8, phi="mlp", gate_hidden=16), {}),
+    "mlp-hidden40-rowshares-2seqs": (dict(d_k=16, d_v=16, phi="mlp", gate_hidden=8, phi_hidden=40),
+                                     {"SHARE": 1536, "ROWS": 4}),
+    "mean-gateLinear": (dict(d_k=16, d_v=8, phi="avg", gate_hidden=0), {}),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_prologue_kernels_equal_the_torch_prologue(name, monkeypatch):
-    over, share = CASES[name]
-    if share:
-        monkeypatch.setattr(step_kernels.StepPrologue, "SHARE", share)
+    over, attrs = CASES[name]
+
+    def patch():
+        for k, v in attrs.items():
+            monkeypatch.setattr(step_kernels.StepPrologue, k, v)
+
+    patch()
     torch.manual_seed(0)
     cfg = NSAConfig(dim=24, n_heads=4, n_kv_heads=2, l=8, d=4, l_sel=8, n_sel=3, w=12, n_init=1, n_local=1, **over)
     m = NSAAttention(cfg).eval()
@@ -62,7 +69,8 @@ def test_prologue_kernels_equal_the_torch_prologue(name, monkeypatch):
         assert dec.kernel_params()["prologue"] == pro
         if pro == "triton":
             pk = dec._kernels.prologue
-            assert share is None or max(pk.nr.values()) == 3, pk.nr
+            if attrs:
+                assert max(pk.nr.values()) == 3 and pk.bb == 2, (pk.nr, pk.bb)
             monkeypatch.setattr(dec, "_emit", lambda: (_ for _ in ()).throw(AssertionError("torch phi ran")))
         else:
             assert dec._kernels.prologue is None
@@ -75,8 +83,7 @@ def test_prologue_kernels_equal_the_torch_prologue(name, monkeypatch):
             qs.append(dec.last["q"].clone())
             gs.append(dec.last["gates"].clone())
         monkeypatch.undo()
-        if share:
-            monkeypatch.setattr(step_kernels.StepPrologue, "SHARE", share)
+        patch()
         runs[pro] = dict(y=torch.cat(ys, 1), q=torch.stack(qs), gates=torch.stack(gs),
                          **{n: getattr(dec.cache, n).clone() for n in CACHES})
         assert dec.cache.lengths.tolist() == [n + STEPS for n in LENS]

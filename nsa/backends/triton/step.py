@@ -59,34 +59,54 @@ def _phi_mean(raw_base, st, new_src, cos_row, sin_row, start, c_out, D: tl.const
 
 
 @triton.jit
-def _phi_part(raw_base, st, new_base, cos_row, sin_row, start, pe_ptr, w1_ptr, out, ch, rc, H: tl.constexpr,
-              BHH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, L: tl.constexpr, HID: tl.constexpr,
-              HIDM: tl.constexpr, BHID: tl.constexpr, RPER: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
-    """phi's first Linear (Eq. 7, fc1 over the flattened block + pe), one share of it for every group at once:
-    hidden units ch*BHID.. over the block's rows rc*RPER.. (the last row is this step's token, from P);
-    the partial sums (without fc1's bias) go to ``out[rc, h, unit]``."""
-    dt = raw_base.dtype.element_ty
-    hh = tl.arange(0, BHH)
-    dd = tl.arange(0, BD)
-    m2 = (hh < H)[:, None] & (dd < D)[None, :]
-    new = _token(new_base + hh[:, None] * D, cos_row, sin_row, dd[None, :], m2, D, ROPE).to(dt).to(tl.float32)
-    units = ch * BHID + tl.arange(0, BHID)
-    wm = (units < HID)[:, None] & (dd < D)[None, :]
-    acc = tl.zeros([BHH, BHID], dtype=tl.float32)
-    for k in range(RPER):
-        r = rc * RPER + k
-        x = tl.load(raw_base + (start + r) * st + hh[:, None] * D + dd[None, :], mask=m2 & (r < L - 1),
-                    other=0.0).to(tl.float32)
-        x = tl.where(r == L - 1, new, x)
-        x = (x + tl.load(pe_ptr + r * D + dd, mask=(dd < D) & (r < L), other=0.0).to(tl.float32)[None, :]).to(dt)
-        w = tl.load(w1_ptr + units[:, None] * (L * D) + r * D + dd[None, :], mask=wm & (r < L), other=0.0)
-        acc += tl.dot(x, tl.trans(w.to(dt)), input_precision=PREC)
-    tl.store(out + rc * (H * HIDM) + hh[:, None] * HIDM + units[None, :], acc,
-             mask=(hh < H)[:, None] & (units < HID)[None, :])
+def _block_rows(pos_ptr, stride_pos, b0, B, H: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr, L: tl.constexpr,
+                DSTR: tl.constexpr):
+    """Rows m < BB*H of a phi program: sequence b0 + m // H, group m % H, its position t, its block's first
+    token ``start`` and whether a block completes there (``emit``)."""
+    mm = tl.arange(0, BM)
+    bm = b0 + mm // H
+    hm = mm % H
+    live = (bm < B) & (mm < BB * H)
+    t = tl.load(pos_ptr + bm * stride_pos, mask=live, other=0)
+    start = t - (L - 1)
+    emit = live & (start >= 0) & (start % DSTR == 0)
+    return bm, hm, t, start, emit
 
 
 @triton.jit
-def _step_project(p_ptr, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_cs, q_ptr, g_ptr,
+def _phi_part(raw_ptr, skb, st, p_ptr, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_cs, b0, B, pe_ptr,
+              w1_ptr, h_ptr, KIND: tl.constexpr, ch, rc, H: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr,
+              D: tl.constexpr,
+              BD: tl.constexpr, L: tl.constexpr, DSTR: tl.constexpr, HID: tl.constexpr, HIDM: tl.constexpr,
+              NRM: tl.constexpr, BHID: tl.constexpr, RPER: tl.constexpr, ROPE: tl.constexpr, PREC: tl.constexpr):
+    """phi's first Linear (Eq. 7, fc1 over the flattened block + pe), one share of it for BM (sequence, group)
+    rows at once: hidden units ch*BHID.. over the block's rows rc*RPER.. (the last row is this step's token,
+    rotated from P); partial sums (without fc1's bias) to ``hidden[b, KIND, rc, h, unit]``. Rows whose
+    block does not complete now are masked."""
+    dt = raw_ptr.dtype.element_ty
+    bm, hm, t, start, emit = _block_rows(pos_ptr, stride_pos, b0, B, H, BB, BM, L, DSTR)
+    if tl.max(emit.to(tl.int32), 0) > 0:
+        dd = tl.arange(0, BD)
+        m2 = emit[:, None] & (dd < D)[None, :]
+        new = _token(p_ptr + bm[:, None] * stride_p + hm[:, None] * D, cos_ptr + t[:, None] * stride_cs,
+                     sin_ptr + t[:, None] * stride_cs, dd[None, :], m2, D, ROPE).to(dt).to(tl.float32)
+        units = ch * BHID + tl.arange(0, BHID)
+        wm = (units < HID)[:, None] & (dd < D)[None, :]
+        rows = raw_ptr + bm[:, None] * skb + start[:, None] * st + hm[:, None] * D + dd[None, :]
+        acc = tl.zeros([BM, BHID], dtype=tl.float32)
+        for k in range(RPER):
+            r = rc * RPER + k
+            x = tl.load(rows + r * st, mask=m2 & (r < L - 1), other=0.0).to(tl.float32)
+            x = tl.where(r == L - 1, new, x)
+            x = (x + tl.load(pe_ptr + r * D + dd, mask=(dd < D) & (r < L), other=0.0).to(tl.float32)[None, :]).to(dt)
+            w = tl.load(w1_ptr + units[:, None] * (L * D) + r * D + dd[None, :], mask=wm & (r < L), other=0.0)
+            acc += tl.dot(x, tl.trans(w.to(dt)), input_precision=PREC)
+        out = h_ptr + ((bm * 2 + KIND) * NRM + rc)[:, None] * (H * HIDM) + hm[:, None] * HIDM + units[None, :]
+        tl.store(out, acc, mask=emit[:, None] & (units < HID)[None, :])
+
+
+@triton.jit
+def _step_project(p_ptr, stride_p, pos_ptr, stride_pos, B, cos_ptr, sin_ptr, stride_cs, q_ptr, g_ptr,
                   kc_ptr, vc_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, skb, skt, svb, svt,
                   ck_ptr, cv_ptr, sckb, sckt, scvb, scvt,
                   gw2_ptr, gb2_ptr, pek_ptr, w1k_ptr, pev_ptr, w1v_ptr, h_ptr,
@@ -94,8 +114,8 @@ def _step_project(p_ptr, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride
                   BDV: tl.constexpr, L: tl.constexpr, DSTR: tl.constexpr, GH: tl.constexpr, BGH: tl.constexpr,
                   BGO: tl.constexpr, PHI: tl.constexpr, HIDK: tl.constexpr, HIDV: tl.constexpr, HIDM: tl.constexpr,
                   NRM: tl.constexpr, BHID: tl.constexpr, NCHK: tl.constexpr, NCHV: tl.constexpr, NRK: tl.constexpr,
-                  NRV: tl.constexpr, RPERK: tl.constexpr, RPERV: tl.constexpr, BHH: tl.constexpr, PREC: tl.constexpr,
-                  PDL: tl.constexpr):
+                  NRV: tl.constexpr, RPERK: tl.constexpr, RPERV: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr,
+                  PREC: tl.constexpr, PDL: tl.constexpr):
     _pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -147,74 +167,77 @@ def _step_project(p_ptr, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride
                 rows = r0 + tl.arange(0, BGO)
                 z = tl.load(p_row + OG + rows, mask=rows < NG, other=0.0).to(tl.float32)
                 tl.store(g_ptr + b * NG + rows, tl.sigmoid(z).to(dt), mask=rows < NG)
-    else:  # phi of the block that completes at t, if one does
+    elif PHI == 1:  # phi = mean, one program per (kind, group), if the row's block completes at t
         start = t - (L - 1)
         if (start >= 0) & (start % DSTR == 0):
             k = j - (HQ + H + 1)
-            if PHI == 1:  # mean: one program per (kind, group)
-                i = start // DSTR
-                h = k % H
-                if k < H:
-                    _phi_mean(kc_ptr + b * skb + h * DK, skt, p_row + OKC + h * DK, cos_row, sin_row, start,
-                              ck_ptr + b * sckb + i * sckt + h * DK, DK, BDK, L, True)
-                else:
-                    _phi_mean(vc_ptr + b * svb + h * DV, svt, p_row + OKC + H * DK + h * DV, cos_row, sin_row, start,
-                              cv_ptr + b * scvb + i * scvt + h * DV, DV, BDV, L, False)
-            elif k < NCHK * NRK:  # MLP: fc1's share (hidden chunk, rows chunk) for every group
-                _phi_part(kc_ptr + b * skb, skt, p_row + OKC, cos_row, sin_row, start, pek_ptr, w1k_ptr,
-                          h_ptr + (b * 2) * NRM * H * HIDM, k // NRK, k % NRK, H, BHH, DK, BDK, L, HIDK, HIDM,
-                          BHID, RPERK, True, PREC)
+            i = start // DSTR
+            h = k % H
+            if k < H:
+                _phi_mean(kc_ptr + b * skb + h * DK, skt, p_row + OKC + h * DK, cos_row, sin_row, start,
+                          ck_ptr + b * sckb + i * sckt + h * DK, DK, BDK, L, True)
             else:
-                k -= NCHK * NRK
-                _phi_part(vc_ptr + b * svb, svt, p_row + OKC + H * DK, cos_row, sin_row, start, pev_ptr, w1v_ptr,
-                          h_ptr + (b * 2 + 1) * NRM * H * HIDM, k // NRV, k % NRV, H, BHH, DV, BDV, L, HIDV, HIDM,
-                          BHID, RPERV, False, PREC)
+                _phi_mean(vc_ptr + b * svb + h * DV, svt, p_row + OKC + H * DK + h * DV, cos_row, sin_row, start,
+                          cv_ptr + b * scvb + i * scvt + h * DV, DV, BDV, L, False)
+    elif b % BB == 0:  # phi = MLP: fc1's share (hidden chunk, block-rows chunk) for sequences b..b+BB-1
+        k = j - (HQ + H + 1)
+        if k < NCHK * NRK:
+            _phi_part(kc_ptr, skb, skt, p_ptr + OKC, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_cs, b, B,
+                      pek_ptr, w1k_ptr, h_ptr, 0, k // NRK, k % NRK, H, BB, BM, DK, BDK, L, DSTR, HIDK, HIDM, NRM, BHID,
+                      RPERK, True, PREC)
+        else:
+            k -= NCHK * NRK
+            _phi_part(vc_ptr, svb, svt, p_ptr + OKC + H * DK, stride_p, pos_ptr, stride_pos, cos_ptr, sin_ptr,
+                      stride_cs, b, B, pev_ptr, w1v_ptr, h_ptr, 1, k // NRV, k % NRV, H, BB, BM, DV, BDV, L, DSTR, HIDV,
+                      HIDM, NRM, BHID, RPERV, False, PREC)
 
 
 @triton.jit
-def _phi_out(h_in, b1_ptr, w2_ptr, b2_ptr, c_out, d0, NR: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-             HID: tl.constexpr, HIDM: tl.constexpr, BH: tl.constexpr, BDO: tl.constexpr):
-    """phi's output for one group: fc1 = the NR partial sums + b1, GELU (erf form), then rows d0.. of fc2
-    -> the compressed token at ``c_out``."""
-    dt = c_out.dtype.element_ty
-    kk = tl.arange(0, BH)
-    km = kk < HID
-    x = tl.load(b1_ptr + kk, mask=km, other=0.0).to(tl.float32)
-    for r in range(NR):
-        x += tl.load(h_in + r * (H * HIDM) + kk, mask=km, other=0.0)
-    x = x.to(dt).to(tl.float32)
-    g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dt).to(tl.float32)
-    rows = d0 + tl.arange(0, BDO)
-    rm = rows < D
-    w = tl.load(w2_ptr + rows[:, None] * HID + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-    o = tl.sum(w.to(tl.float32) * g[None, :], 1) + tl.load(b2_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    tl.store(c_out + rows, o.to(dt), mask=rm)
+def _phi_out(h_ptr, pos_ptr, stride_pos, b0, B, b1_ptr, w2_ptr, b2_ptr, c_ptr, scb, sct, d0, KIND: tl.constexpr,
+             NR: tl.constexpr, H: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+             DSTR: tl.constexpr, HID: tl.constexpr, HIDM: tl.constexpr, NRM: tl.constexpr, BH: tl.constexpr,
+             BDO: tl.constexpr, PREC: tl.constexpr):
+    """phi's output for BM (sequence, group) rows: fc1 = the NR partial sums + b1, GELU (erf form), then
+    output dims d0.. of fc2 -> compressed token i = start // d of each row whose block completes now."""
+    dt = c_ptr.dtype.element_ty
+    bm, hm, t, start, emit = _block_rows(pos_ptr, stride_pos, b0, B, H, BB, BM, L, DSTR)
+    if tl.max(emit.to(tl.int32), 0) > 0:
+        kk = tl.arange(0, BH)
+        km = kk < HID
+        hrow = h_ptr + ((bm * 2 + KIND) * NRM)[:, None] * (H * HIDM) + hm[:, None] * HIDM + kk[None, :]
+        hmask = emit[:, None] & km[None, :]
+        x = tl.zeros([BM, BH], dtype=tl.float32) + tl.load(b1_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+        for r in range(NR):
+            x += tl.load(hrow + r * (H * HIDM), mask=hmask, other=0.0)
+        x = x.to(dt).to(tl.float32)
+        g = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dt)
+        rows = d0 + tl.arange(0, BDO)
+        rm = rows < D
+        w = tl.load(w2_ptr + rows[:, None] * HID + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        o = tl.dot(g, tl.trans(w.to(dt)), input_precision=PREC)
+        o += tl.load(b2_ptr + rows, mask=rm, other=0.0).to(tl.float32)[None, :]
+        i = tl.where(emit, start // DSTR, 0)
+        out = c_ptr + (bm * scb + i * sct + hm * D)[:, None] + rows[None, :]
+        tl.store(out, o.to(dt), mask=emit[:, None] & rm[None, :])
 
 
 @triton.jit
-def _step_phi_out(pos_ptr, stride_pos, h_ptr, b1k_ptr, w2k_ptr, b2k_ptr, b1v_ptr, w2v_ptr, b2v_ptr, ck_ptr, cv_ptr,
+def _step_phi_out(pos_ptr, stride_pos, B, h_ptr, b1k_ptr, w2k_ptr, b2k_ptr, b1v_ptr, w2v_ptr, b2v_ptr, ck_ptr, cv_ptr,
                   sckb, sckt, scvb, scvt, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
                   DSTR: tl.constexpr, HIDK: tl.constexpr, HIDV: tl.constexpr, HIDM: tl.constexpr, NRM: tl.constexpr,
                   NRK: tl.constexpr, NRV: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BDO: tl.constexpr,
-                  PDL: tl.constexpr):
+                  BB: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+    """grid (cdiv(B, BB), output chunks of k and v): phi's fc2 for sequences BB*program_id(0).. ."""
     _pdl_enter(PDL)
-    b = tl.program_id(0)
+    b0 = tl.program_id(0) * BB
     j = tl.program_id(1)
-    t = tl.load(pos_ptr + b * stride_pos)
-    start = t - (L - 1)
-    if (start >= 0) & (start % DSTR == 0):
-        i = start // DSTR
-        NDK: tl.constexpr = (DK + BDO - 1) // BDO
-        NDV: tl.constexpr = (DV + BDO - 1) // BDO
-        if j < H * NDK:  # (group, rows chunk) of the key's fc2
-            h = j // NDK
-            _phi_out(h_ptr + (b * 2) * NRM * H * HIDM + h * HIDM, b1k_ptr, w2k_ptr, b2k_ptr,
-                     ck_ptr + b * sckb + i * sckt + h * DK, (j % NDK) * BDO, NRK, H, DK, HIDK, HIDM, BHK, BDO)
-        else:
-            j -= H * NDK
-            h = j // NDV
-            _phi_out(h_ptr + (b * 2 + 1) * NRM * H * HIDM + h * HIDM, b1v_ptr, w2v_ptr, b2v_ptr,
-                     cv_ptr + b * scvb + i * scvt + h * DV, (j % NDV) * BDO, NRV, H, DV, HIDV, HIDM, BHV, BDO)
+    NDK: tl.constexpr = (DK + BDO - 1) // BDO
+    if j < NDK:
+        _phi_out(h_ptr, pos_ptr, stride_pos, b0, B, b1k_ptr, w2k_ptr, b2k_ptr, ck_ptr, sckb, sckt, j * BDO, 0, NRK, H,
+                 BB, BM, DK, L, DSTR, HIDK, HIDM, NRM, BHK, BDO, PREC)
+    else:
+        _phi_out(h_ptr, pos_ptr, stride_pos, b0, B, b1v_ptr, w2v_ptr, b2v_ptr, cv_ptr, scvb, scvt, (j - NDK) * BDO, 1,
+                 NRV, H, BB, BM, DV, L, DSTR, HIDV, HIDM, NRM, BHV, BDO, PREC)
 
 
 class StepPrologue:
@@ -227,13 +250,15 @@ class StepPrologue:
     gate and phi parameters are read at each call.
 
     phi's fc1 (l*D x hidden per kind: 2 MiB at D=128, l=32) is read by programs of BHID hidden units x
-    ``rows`` block rows (about 32 KiB each, every group at once: the weights are read once), partial
-    sums in float32, added in a fixed order by the fc2 kernel (deterministic, no atomics).
+    block rows (about 32 KiB each, SHARE elements) for BB sequences x every group at once (the weights
+    are read once per BB sequences); partial sums in float32, added in a fixed order by the fc2 kernel
+    (deterministic, no atomics).
     """
 
     BHID = 32  # phi's hidden units per program
     BDO = 32  # phi's fc2 output rows per program
     SHARE = 16384  # phi's fc1 elements (units x block rows x D) per program
+    ROWS = 64  # (sequence, group) rows per phi program, at most
 
     def __init__(self, config, B: int, device, dtype, *, pdl: bool = False, warps: int = 4, prec: str = "tf32"):
         c = self.config = config
@@ -252,6 +277,10 @@ class StepPrologue:
             self.hid, self.nch, self.rper, self.nr = ({"k": 1, "v": 1} for _ in range(4))
             self.n_phi = 2 * H
         self.hid_m, self.nr_m = max(self.hid.values()), max(self.nr.values())
+        # phi MLP programs take BB sequences x H groups (BM rows, >= 16 for tl.dot): its weights are read
+        # once per BB sequences
+        self.bb = min(p2(B, 1), max(1, self.ROWS // H))
+        self.bm = p2(self.bb * H, 16)
         self.q = torch.empty(B, c.n_heads, c.d_k, device=device, dtype=dtype)
         self.gates = torch.empty(B, c.n_heads, 3, device=device, dtype=dtype)
         self.hidden = torch.empty(B, 2, self.nr_m, H, self.hid_m, device=device, dtype=torch.float32)
@@ -279,7 +308,7 @@ class StepPrologue:
         spos = 0 if pos.shape[0] == 1 else pos.stride(0)
         pdl = dict(PDL=True, launch_pdl=True) if self.pdl else dict(PDL=False)
         _step_project[(B, self.n_programs())](
-            P, P.stride(0), pos, spos, cos, sin, cos.stride(0), self.q, self.gates,
+            P, P.stride(0), pos, spos, B, cos, sin, cos.stride(0), self.q, self.gates,
             kc, vc, ks, vs, kw, vw, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
             k_ext, v_ext, k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1),
             gw2, gb2, *phi_in, self.hidden,
@@ -287,13 +316,14 @@ class StepPrologue:
             BGH=p2(max(c.gate_hidden, 1), 2), BGO=min(p2(3 * HQ, 2), 64), PHI=self.phi, HIDK=self.hid["k"],
             HIDV=self.hid["v"], HIDM=self.hid_m, NRM=self.nr_m, BHID=self.BHID, NCHK=self.nch["k"],
             NCHV=self.nch["v"], NRK=self.nr["k"], NRV=self.nr["v"], RPERK=self.rper["k"], RPERV=self.rper["v"],
-            BHH=p2(H, 16), PREC=self.prec, num_warps=self.warps, **pdl)
+            BB=self.bb, BM=self.bm, PREC=self.prec, num_warps=self.warps, **pdl)
         if mlp:
-            n_out = H * (-(-DK // self.BDO) + -(-DV // self.BDO))
-            _step_phi_out[(B, n_out)](
-                pos, spos, self.hidden, pk.fc1.bias, pk.fc2.weight, pk.fc2.bias, pv.fc1.bias, pv.fc2.weight,
+            n_out = -(-DK // self.BDO) + -(-DV // self.BDO)
+            _step_phi_out[(-(-B // self.bb), n_out)](
+                pos, spos, B, self.hidden, pk.fc1.bias, pk.fc2.weight, pk.fc2.bias, pv.fc1.bias, pv.fc2.weight,
                 pv.fc2.bias, k_ext, v_ext, k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1),
                 H=H, DK=DK, DV=DV, L=c.l, DSTR=c.d, HIDK=self.hid["k"], HIDV=self.hid["v"], HIDM=self.hid_m,
-                NRM=self.nr_m, NRK=self.nr["k"], NRV=self.nr["v"], BHK=p2(self.hid["k"], 2), BHV=p2(self.hid["v"], 2),
-                BDO=self.BDO, num_warps=self.warps, **pdl)
+                NRM=self.nr_m, NRK=self.nr["k"], NRV=self.nr["v"], BHK=p2(self.hid["k"], 16),
+                BHV=p2(self.hid["v"], 16), BDO=self.BDO, BB=self.bb, BM=self.bm, PREC=self.prec, num_warps=self.warps,
+                **pdl)
         return self.q, self.gates
