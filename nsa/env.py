@@ -12,7 +12,8 @@
 * ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID`` (:func:`slurm_job_id`): set by SLURM
   in a job's processes; a run started in one is tagged with its job id.
 * ``CUDA_VISIBLE_DEVICES`` (:func:`cuda_visible_devices`): the GPUs this process may use (a scheduler
-  sets it to the job's own); a run is tagged with it.
+  sets it to the job's own); a run is tagged with it. :func:`pin_cuda_devices` sets it in the workers of
+  ``hydra/launcher=local_gpus``, one GPU each.
 * :func:`child_environment`: this process's environment for a subprocess (``experiments.validate``
   runs the kernel tests in pytest), with ``TRITON_INTERPRET`` set or removed and a ``PYTHONPATH`` first.
 
@@ -50,6 +51,11 @@ def slurm_job_id() -> str | None:
 def cuda_visible_devices() -> str | None:
     """CUDA's device list for this process, or None where it is unset (every GPU visible)."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def pin_cuda_devices(ids: str) -> None:
+    """Set this process's CUDA device list (``hydra/launcher=local_gpus``'s workers, before CUDA starts)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids
 
 
 def limit_mlflow_http(max_retries: int, timeout_s: int) -> None:
