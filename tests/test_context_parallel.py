@@ -1,0 +1,78 @@
+"""Context-parallel NSA (nsa/context_parallel.py) against the single-device computation: real
+``torch.distributed`` process groups (gloo, one process per rank, spawned), float64, the reference backend.
+
+Every rank feeds its part of one sequence (two mirrored chunks) and gets its part of the output; the parts
+put together equal ``nsa.functional.nsa_attention`` over the whole sequence, and so do the gradients of q,
+the gates and every branch's raw keys and values (reduce-scattered by the all-gather's backward); phi's
+parameter gradients summed over the ranks equal the single-device ones. 2 and 3 ranks, chunks that cut
+compression blocks, selection blocks and the window; phi = MLP and mean.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nsa import NSAConfig, functional
+from nsa import context_parallel as cp
+from nsa.module import PhiMLP
+
+NAMES = ("q", "k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win", "gates")
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _problem(T: int, phi: str):
+    """The whole sequence's inputs, phi and the loss weights, the same in every process (seeded)."""
+    torch.manual_seed(0)
+    cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, l=8, d=4, l_sel=8, n_sel=3, w=12, n_init=1,
+                    n_local=1, phi=phi)
+    B, HQ, H = 2, cfg.n_heads, cfg.n_kv_heads
+    r = lambda *s: torch.randn(*s, dtype=torch.float64)  # noqa: E731
+    x = {"q": r(B, T, HQ, cfg.d_k), "k_cmp_raw": r(B, T, H, cfg.d_k), "v_cmp_raw": r(B, T, H, cfg.d_v),
+         "k_sel": r(B, T, H, cfg.d_k), "v_sel": r(B, T, H, cfg.d_v), "k_win": r(B, T, H, cfg.d_k),
+         "v_win": r(B, T, H, cfg.d_v), "gates": torch.rand(B, T, HQ, 3, dtype=torch.float64)}
+    phis = (PhiMLP(cfg.l, cfg.d_k, 10).double(), PhiMLP(cfg.l, cfg.d_v, 10).double()) if phi == "mlp" else (None, None)
+    weight = r(B, T, HQ, cfg.d_v)
+    return cfg, x, phis, weight
+
+
+def _worker(rank: int, world: int, init: str, T: int, phi: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        cfg, x, (pk, pv), weight = _problem(T, phi)
+        part = {n: cp.shard(v, rank, world).requires_grad_() for n, v in x.items()}
+        o = cp.nsa_attention(*(part[n] for n in NAMES), cfg, phi_k=pk, phi_v=pv)
+        (o * cp.shard(weight, rank, world)).sum().backward()
+        phi_grads = {f"{k}.{n}": p.grad for k, m in (("k", pk), ("v", pv)) if m is not None
+                     for n, p in m.named_parameters()}
+        torch.save({"o": o.detach(), "grads": {n: part[n].grad for n in NAMES}, "phi": phi_grads}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,T,phi", [(2, 40, "mlp"), (3, 36, "avg")], ids=["2ranks-T40-mlp", "3ranks-T36-mean"])
+def test_context_parallel_equals_one_device(tmp_path, world, T, phi):
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), T, phi, str(tmp_path)), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    cfg, x, (pk, pv), weight = _problem(T, phi)
+    full = {n: v.clone().requires_grad_() for n, v in x.items()}
+    o = functional.nsa_attention(full["q"], functional.compress(full["k_cmp_raw"], cfg, pk),
+                                 functional.compress(full["v_cmp_raw"], cfg, pv), full["k_sel"], full["v_sel"],
+                                 full["k_win"], full["v_win"], full["gates"], cfg)
+    (o * weight).sum().backward()
+    torch.testing.assert_close(cp.unshard([p["o"] for p in parts]), o.detach(), **TOL)
+    for n in NAMES:
+        torch.testing.assert_close(cp.unshard([p["grads"][n] for p in parts]), full[n].grad, **TOL, msg=n)
+    phi_ref = {f"{k}.{n}": p.grad for k, m in (("k", pk), ("v", pv)) if m is not None for n, p in m.named_parameters()}
+    assert set(phi_ref) == set(parts[0]["phi"]) and (phi != "mlp" or phi_ref)
+    for n, g in phi_ref.items():
+        torch.testing.assert_close(sum(p["phi"][n] for p in parts), g, **TOL, msg=n)
+
+
+def test_shard_and_unshard():
+    x = torch.arange(12)[None, :]
+    assert cp.shard(x, 0, 3).tolist() == [[0, 1, 10, 11]] and cp.shard(x, 2, 3).tolist() == [[4, 5, 6, 7]]
+    assert torch.equal(cp.unshard([cp.shard(x, r, 3) for r in range(3)]), x)
+    with pytest.raises(ValueError, match="must split into 2 x 4 ranks = 8 equal chunks"):
+        cp.shard(x, 0, 4)
