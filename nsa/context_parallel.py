@@ -6,6 +6,8 @@
     q_r = cp.shard(q, rank, world)                 # this rank's queries (and likewise every input)
     o_r = cp.nsa_attention(q_r, kc_r, vc_r, ks_r, vs_r, kw_r, vw_r, g_r, config, phi_k=.., phi_v=..)
     o = cp.unshard([o_0, .., o_{R-1}])             # = functional.nsa_attention on the whole sequence
+    y_r = layer(cp.shard(x, rank, world), cp_group=dist.group.WORLD)   # the layer: the same, RoPE at the
+                                                                       # rank's positions
 
 Layout (:func:`shard`): the T tokens are cut into 2R equal chunks; rank r holds chunks r and 2R-1-r
 (one early and one late chunk: with causal attention every rank then has about the same work). Every
@@ -43,6 +45,11 @@ def shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
     2*world equal chunks, concatenated."""
     C = _chunks(x.shape[dim], world)
     return torch.cat([x.narrow(dim, rank * C, C), x.narrow(dim, (2 * world - 1 - rank) * C, C)], dim)
+
+
+def positions(T: int, rank: int, world: int, device=None) -> torch.Tensor:
+    """The absolute positions ``[2C]`` of rank ``rank``'s tokens of a T-token sequence."""
+    return shard(torch.arange(T, device=device)[None], rank, world)[0]
 
 
 def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -91,4 +98,4 @@ def nsa_attention(q, k_cmp_raw, v_cmp_raw, k_sel, v_sel, k_win, v_win, gates, co
     return torch.cat(outs, 1)
 
 
-__all__ = ["nsa_attention", "shard", "unshard"]
+__all__ = ["nsa_attention", "positions", "shard", "unshard"]

@@ -163,6 +163,10 @@ class NSAAttention(nn.Module):
     becomes (L_0, ..). Later calls ``forward(x [B,T,dim], cache)`` append each row's T tokens at its
     own position ``cache.lengths[b]`` (decode steps, or chunks): row b equals its sequence run alone.
 
+    Context parallelism: ``forward(x_r, cp_group=group)`` with x_r this rank's part of one sequence
+    (:func:`nsa.context_parallel.shard`) gives this rank's part of the output (:mod:`nsa.context_parallel`);
+    each rank's parameter gradients then sum, over the ranks, to the single-device ones.
+
     ``backend`` / ``fallback`` / ``streams`` are passed to :func:`nsa.functional.nsa_attention`.
     """
 
@@ -231,11 +235,15 @@ class NSAAttention(nn.Module):
                         buf(max_len, c.d_k), buf(max_len, c.d_v), buf(max_len, c.d_k), buf(max_len, c.d_v),
                         max_len=max_len)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None, cp_group=None) -> torch.Tensor:
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.dim:
             raise ValueError(f"x: expected [B,T,{c.dim}] (dim), got {tuple(x.shape)}")
         B, T, _ = x.shape
+        if cp_group is not None:
+            if cache is not None or cu_seqlens is not None:
+                raise ValueError("cp_group: context parallelism runs a whole sequence (no cache, no cu_seqlens)")
+            return self._forward_cp(x, cp_group)
         docs = as_varlen(cu_seqlens)
         if docs is not None:
             if B != 1:
@@ -265,6 +273,21 @@ class NSAAttention(nn.Module):
             else:
                 cache.lengths = docs.lens
         return self.o_proj(o.reshape(B, T, c.n_heads * c.d_v))
+
+    def _forward_cp(self, x: torch.Tensor, group) -> torch.Tensor:
+        """This rank's part of a sequence (``nsa.context_parallel.shard`` of it) -> its part of the output."""
+        import torch.distributed as dist
+
+        from . import context_parallel as cp
+
+        c = self.config
+        B, T2, _ = x.shape
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        q, kv, gates = self._project(x, cp.positions(T2 * world, rank, world, x.device))
+        o = cp.nsa_attention(q, kv["k_cmp_raw"], kv["v_cmp_raw"], kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"],
+                             gates, c, phi_k=self.phi_k, phi_v=self.phi_v, group=group, backend=self.backend,
+                             fallback=self.fallback)
+        return self.o_proj(o.reshape(B, T2, c.n_heads * c.d_v))
 
     @staticmethod
     def _check_packed_prefill(cache: NSACache, docs) -> None:

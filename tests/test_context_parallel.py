@@ -5,7 +5,8 @@ Every rank feeds its part of one sequence (two mirrored chunks) and gets its par
 put together equal ``nsa.functional.nsa_attention`` over the whole sequence, and so do the gradients of q,
 the gates and every branch's raw keys and values (reduce-scattered by the all-gather's backward); phi's
 parameter gradients summed over the ranks equal the single-device ones. 2 and 3 ranks, chunks that cut
-compression blocks, selection blocks and the window; phi = MLP and mean.
+compression blocks, selection blocks and the window; phi = MLP and mean. And the layer with ``cp_group``
+against the layer on one device (outputs, input and parameter gradients).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nsa import NSAConfig, functional
+from nsa import NSAAttention, NSAConfig, functional
 from nsa import context_parallel as cp
 from nsa.module import PhiMLP
 
@@ -68,6 +69,47 @@ def test_context_parallel_equals_one_device(tmp_path, world, T, phi):
     assert set(phi_ref) == set(parts[0]["phi"]) and (phi != "mlp" or phi_ref)
     for n, g in phi_ref.items():
         torch.testing.assert_close(sum(p["phi"][n] for p in parts), g, **TOL, msg=n)
+
+
+def _layer(T: int):
+    torch.manual_seed(1)
+    cfg = NSAConfig(dim=16, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, l=8, d=4, l_sel=8, n_sel=3, w=12, n_init=1,
+                    n_local=1, gate_hidden=8, phi_hidden=10)
+    layer = NSAAttention(cfg).double()
+    x = torch.randn(2, T, cfg.dim, dtype=torch.float64)
+    weight = torch.randn(2, T, cfg.dim, dtype=torch.float64)
+    return layer, x, weight
+
+
+def _layer_worker(rank: int, world: int, init: str, T: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        layer, x, weight = _layer(T)
+        xr = cp.shard(x, rank, world).requires_grad_()
+        y = layer(xr, cp_group=dist.group.WORLD)
+        (y * cp.shard(weight, rank, world)).sum().backward()
+        torch.save({"y": y.detach(), "x": xr.grad, "params": {n: p.grad for n, p in layer.named_parameters()}},
+                   f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layer_with_a_cp_group_equals_the_layer_on_one_device(tmp_path):
+    """The module: RoPE at each rank's own positions, phi and the gate MLP, o_proj; input and parameter
+    gradients (the latter summed over the ranks)."""
+    world, T = 2, 32
+    mp.spawn(_layer_worker, args=(world, str(tmp_path / "init"), T, str(tmp_path)), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    layer, x, weight = _layer(T)
+    x.requires_grad_()
+    y = layer(x)
+    (y * weight).sum().backward()
+    torch.testing.assert_close(cp.unshard([p["y"] for p in parts]), y.detach(), **TOL)
+    torch.testing.assert_close(cp.unshard([p["x"] for p in parts]), x.grad, **TOL)
+    for n, prm in layer.named_parameters():
+        torch.testing.assert_close(sum(p["params"][n] for p in parts), prm.grad, **TOL, msg=n)
+    with pytest.raises(ValueError, match="cp_group: context parallelism runs a whole sequence"):
+        layer(x, layer.new_cache(2, T), cp_group=object())
 
 
 def test_shard_and_unshard():
