@@ -184,7 +184,7 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
                  "seq": ",".join(values.get("seq", [str(first.seq)])),
                  "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
                  "sweep_command": " ".join(["python", "-m", f"experiments.{entry}", *sys.argv[1:]])})
-    name = f"{entry} sweep " + " ".join(f"{k}={','.join(v)}" for k, v in values.items())
+    name = f"{entry} sweep " + " ".join([*_fixed(first, values), *(f"{k}={','.join(v)}" for k, v in values.items())])
     from mlflow.exceptions import MlflowException
 
     try:
@@ -197,6 +197,17 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
         tracking.end_run(store.client, rid, "FAILED", f"could not log the sweep's parameters: {one_line(e)}")
         cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {one_line(e)}")
     return rid
+
+
+def _fixed(first: Job, swept: dict) -> list[str]:
+    """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
+    hardware, models or backends are told apart): the hardware profile, the model, the backend plan
+    (one name, or cmp/sel/win), each unless swept."""
+    plan = first.plan
+    backend = plan["cmp"] if len(set(plan.values())) == 1 else "/".join(plan[b] for b in ("cmp", "sel", "win"))
+    out = [("hardware", first.profile.name), ("model", OmegaConf.select(first.cfg, "model.name", default=None)),
+           ("backend", backend)]
+    return [str(v) for k, v in out if v and k not in swept]
 
 
 def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]]]:
