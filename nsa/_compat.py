@@ -70,3 +70,11 @@ def no_eager_fallback(recompile_limit: int):
     else:
         want = {"cache_size_limit": recompile_limit, "fail_on_cache_limit_hit": True}
     return cfg.patch({k: v for k, v in want.items() if k in known})
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (torch < 2.4 has no device argument: CUDA, or its CPU twin)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()

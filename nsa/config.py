@@ -57,8 +57,8 @@ class NSAConfig:
         if self.phi not in PHI_CHOICES:
             bad("phi", f"must be one of {PHI_CHOICES}")
         rb = self.rope_base
-        if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (rb > 0):
-            bad("rope_base", "must be positive")
+        if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (0 < rb < float("inf")):
+            bad("rope_base", "must be positive and finite")
 
     @property
     def G(self) -> int:

@@ -115,7 +115,11 @@ def _check_packed_cmp(name, k_cmp, config, docs):
 
 
 def _scale(q, scale):
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < float(scale) < math.inf:
+        _fail(f"scale={scale!r}: must be a positive finite number (None: 1/sqrt(Dk))")
+    return float(scale)
 
 
 def compress(x: torch.Tensor, config: NSAConfig, phi=None, *, cu_seqlens=None) -> torch.Tensor:

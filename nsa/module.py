@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional
+from ._compat import autocast_enabled
 from .config import NSAConfig
 from .varlen import as_varlen
 
@@ -240,6 +241,11 @@ class NSAAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != c.dim:
             raise ValueError(f"x: expected [B,T,{c.dim}] (dim), got {tuple(x.shape)}")
         B, T, _ = x.shape
+        wdt = self.q_proj.weight.dtype
+        if x.dtype != wdt and not autocast_enabled(x.device.type):
+            raise ValueError(f"x: dtype {str(x.dtype).replace('torch.', '')} differs from the layer's "
+                             f"{str(wdt).replace('torch.', '')} (its parameters); cast one to the other, or run under "
+                             "torch.autocast")
         if cp_group is not None:
             if cache is not None or cu_seqlens is not None:
                 raise ValueError("cp_group: context parallelism runs a whole sequence (no cache, no cu_seqlens)")

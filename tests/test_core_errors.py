@@ -38,6 +38,7 @@ def test_base_config_is_valid():
     (dict(rope_base=float("nan")), "rope_base"),
     (dict(rope_base=None), "rope_base"),  # was a TypeError before the fix in nsa/config.py
     (dict(rope_base="1e4"), "rope_base"),
+    (dict(rope_base=float("inf")), "rope_base"),  # accepted before: RoPE then rotates nothing (issue 31)
     (dict(n_init=-1), "n_init"),
     (dict(n_local=-1), "n_local"),
     (dict(gate_hidden=-1), "gate_hidden"),
@@ -124,6 +125,15 @@ def test_nsa_attention_bad_argument_names_it(inputs, name, make, match):
     over = dict(zip(names, bad if len(names) > 1 else (bad,), strict=True))
     with pytest.raises(ValueError, match=match):
         _call(c, x, **over)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), -0.5, 0.0, float("inf"), True, "0.1"])
+def test_bad_scale_names_it(inputs, scale):
+    """Accepted before (issue 31): nan and negative scales gave NaN or inverted attention silently."""
+    c, x = inputs
+    with pytest.raises(ValueError, match=r"scale=.*: must be a positive finite number"):
+        fn.nsa_attention(*(x[a] for a in ARG_ORDER), c, scale=scale)
+    fn.nsa_attention(*(x[a] for a in ARG_ORDER), c, scale=0.25)  # a positive finite one runs
 
 
 @pytest.mark.parametrize("q_start", [-1, 1.0, True])
@@ -222,6 +232,9 @@ def test_module_bad_inputs():
     assert cache.length == 0
     with pytest.raises(ValueError, match="cache: device/dtype"):
         layer(torch.zeros(2, 3, 16, dtype=torch.float64), layer.new_cache(2, 10, dtype=torch.float32))
+    # a float32 input to a float64 layer: named, not torch's raw matmul error (issue 31)
+    with pytest.raises(ValueError, match="x: dtype float32 differs from the layer's float64"):
+        layer(torch.zeros(1, 5, 16, dtype=torch.float32))
     with pytest.raises(ValueError, match="batch_size"):
         layer.new_cache(0, 10)
     with pytest.raises(ValueError, match="max_len"):
