@@ -58,8 +58,12 @@ def test_precheck_rejects_unknown_group_options(capsys):
 # Hydra composition or parse error, a list without -m, a value prepare() refuses (the rest of
 # prepare's rules: test_conf.py, in-process).
 ONE_LINE = {
-    "typo_key": ("decode", ["sqe=512"], ["'sqe'", "+sqe=512"]),
-    "typo_key_in_sweep": ("decode", ["-m", "sqe=1,2"], ["'sqe'"]),
+    "typo_key": ("decode", ["sqe=512"], ["sqe=512: the decode config has no key 'sqe'; did you mean seq"]),
+    "typo_key_in_sweep": ("decode", ["-m", "sqe=1,2"], ["'sqe'", "did you mean seq"]),
+    # Hydra's own hint for a typo was "+sqe=512", which appended the key and ran seq's default (issue 31)
+    "typo_key_appended": ("decode", ["+sequence=512"], ["the decode config has no key 'sequence'; did you mean seq"]),
+    "typo_key_forced": ("decode", ["++sequence=512"], ["no key 'sequence'"]),
+    "typo_nested_key": ("decode", ["decode.per_brnch=false"], ["no key 'decode.per_brnch'", "decode.per_branch"]),
     "bad_syntax": ("decode", ["seq=[1,2"], ["seq=[1,2"]),
     "list_without_m": ("decode", ["seq=64,128"], ["add -m"]),
     "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),

@@ -166,9 +166,49 @@ def precheck(argv: list[str], entry: str) -> None:
         return  # another config than conf/<entry>.yaml: Hydra composes it
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name=entry):
+            chosen = [a for a in plain if parser.parse_override(a).get_key_element().lstrip("+~") in known]
+            base = compose(config_name=entry, overrides=chosen)
+            for arg in (a for a in argv if _is_override(a)):
+                _known_key(parser.parse_override(arg).get_key_element(), arg, base, known, entry)
             compose(config_name=entry, overrides=plain, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         config_exit(hydra_message(e))
+
+
+def _keys(cfg, prefix: str = "") -> list[str]:
+    """Every key of a config, dotted (sections and leaves)."""
+    from omegaconf import DictConfig
+
+    out = []
+    for k in cfg.keys() if isinstance(cfg, DictConfig) else ():
+        out.append(prefix + str(k))
+        out += _keys(cfg._get_node(k), f"{prefix}{k}.")
+    return out
+
+
+def _known_key(key: str, arg: str, base, known: dict, entry: str) -> None:
+    """An override of a key the entry's config does not have (with or without + or ++) is refused, with
+    the nearest keys: Hydra would append it (``+key=v``), and the run would ignore it. A ``+`` below a
+    known section stays allowed (``+hardware.policy.by_seq=...``: the section checks its own keys)."""
+    import difflib
+
+    name = key.lstrip("+~")
+    top = name.split(".")[0].split("/")[0]  # hydra/launcher=..: Hydra's own groups
+    if top == "hydra" or name in known or top in base:
+        if key[0] in "+~" or top == "hydra" or name in known:
+            return
+        from omegaconf import OmegaConf
+
+        if OmegaConf.select(base, name, default=_MISSING) is not _MISSING:
+            return
+    depth = name.count(".")  # keys at the same depth: a typo keeps its section
+    keys = [k for k in dict.fromkeys(_keys(base) + list(known)) if k.count(".") == depth]
+    near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(near)}?" if near else f"; its keys: {', '.join(str(k) for k in base.keys())}"
+    config_exit(f"{arg}: the {entry} config has no key {name!r}{hint}")
+
+
+_MISSING = object()
 
 
 def launch(main: Callable[[], Any], entry: str) -> None:
