@@ -75,6 +75,9 @@ STORE_DOWN = {
     "server_down": (["tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "Connection refused"]),
     "server_down_sweep": (["-m", "seq=64,128", "tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "refused"]),
     "sqlite_unwritable": (["tracking.uri=sqlite:////proc/nsa-bench.db"], ["sqlite:////proc/nsa-bench.db", "/proc"]),
+    # MLflow's whole message, its fix included (it was cut at 300 characters, before the fix: issue 31)
+    "file_store": (["tracking.uri=file:///tmp/nsa-bench-mlruns"], ["file:///tmp/nsa-bench-mlruns", "migrate-filestore",
+                                                                    "MLFLOW_ALLOW_FILE_STORE=true"]),
 }
 
 

@@ -86,7 +86,7 @@ def _cause(e: BaseException) -> str:
     """The useful end of a store error: an OS error number and text where there is one."""
     text = one_line(e)
     m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
-    return m.group(0).strip() if m else text[:300]
+    return m.group(0).strip() if m else text
 
 
 @contextlib.contextmanager
