@@ -6,13 +6,16 @@ B=1); here, after the one GEMM of every projection (``P = x @ [W_q; W_k_cmp; ..;
 
 1. ``_step_project``  grid (B, HQ + H + 1 + phi programs): per query head RoPE -> q; per key/value
    group the six raw tokens (keys rotated) into the caches at the row's position; one program for
-   the gates (Eq. 5: sigmoid(MLP(x)), the MLP's hidden layer taken from P); and, only when the
-   row's compression block completes at this position (t = i*d + l - 1), the first layer of phi
-   (Eq. 7) over the block's l raw tokens plus the intra-block position embedding, hidden units
-   split over programs (phi = mean: the compressed token itself). The block's newest token is
-   rotated from P in the phi program itself, so no program waits for another.
-2. ``_step_phi_out``  grid (B, 2H): GELU and phi's second layer into compressed row i (nothing when
-   no block completes; not launched for phi = mean).
+   the gates (Eq. 5: sigmoid(MLP(x)), the MLP's hidden layer taken from P); and, only for the rows
+   whose compression block completes at their position (t = i*d + l - 1), the first layer of phi
+   (Eq. 7) over the block's l raw tokens plus the intra-block position embedding: each phi program
+   takes a share of hidden units x block rows for BB sequences x every group (the programs of
+   sequences b % BB == 0), partial sums in float32 (phi = mean: one program per group, the
+   compressed token itself). The block's newest token is rotated from P in the phi program itself,
+   so no program waits for another.
+2. ``_step_phi_out``  grid (cdiv(B, BB), output chunks of k and v): the partial sums added in a fixed
+   order, fc1's bias, GELU and phi's second layer into compressed row i (nothing where no block
+   completes; not launched for phi = mean).
 
 Every program reads the position from device memory, so one CUDA graph serves every step.
 Intermediate values are rounded to the layer's dtype where the torch reference rounds them (each
