@@ -189,7 +189,9 @@ def _keys(cfg, prefix: str = "") -> list[str]:
 def _known_key(key: str, arg: str, base, known: dict, entry: str) -> None:
     """An override of a key the entry's config does not have (with or without + or ++) is refused, with
     the nearest keys: Hydra would append it (``+key=v``), and the run would ignore it. A ``+`` below a
-    known section stays allowed (``+hardware.policy.by_seq=...``: the section checks its own keys)."""
+    known section stays allowed (``+hardware.policy.by_seq=...``: the section checks its own keys), and
+    so does any key below a section without OmegaConf's struct flag (``tuning.<op>.<key>``, checked by
+    its entry point)."""
     import difflib
 
     name = key.lstrip("+~")
@@ -197,10 +199,15 @@ def _known_key(key: str, arg: str, base, known: dict, entry: str) -> None:
     if top == "hydra" or name in known or top in base:
         if key[0] in "+~" or top == "hydra" or name in known:
             return
-        from omegaconf import OmegaConf
+        from omegaconf import DictConfig, OmegaConf
 
         if OmegaConf.select(base, name, default=_MISSING) is not _MISSING:
             return
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):  # a section without the struct flag takes new keys (tuning.<op>.*)
+            node = OmegaConf.select(base, ".".join(parts[:i]), default=None)
+            if isinstance(node, DictConfig) and not OmegaConf.is_struct(node):
+                return
     depth = name.count(".")  # keys at the same depth: a typo keeps its section
     keys = [k for k in dict.fromkeys(_keys(base) + list(known)) if k.count(".") == depth]
     near = difflib.get_close_matches(name, keys, n=3, cutoff=0.5)
