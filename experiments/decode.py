@@ -62,10 +62,6 @@ from .framework import Charts, Job, Result, check_memory, launch, run_job
 BRANCHES = ("cmp", "sel", "win")
 log = logging.getLogger("experiments.decode")
 
-# Each variant's figures logged as metrics ``<variant>_<column>`` beside the CSV's row.
-FIGURES = ("p50_ms", "kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step", "kv_gb_per_s",
-           "kv_bw_roofline_pct", "hbm_floor_ms")
-
 
 def check_config(job: Job) -> None:
     """decode's own rules beyond ``config.RULES`` (``config.prepare`` runs this, ``config.ENTRY_CHECKS``: a
@@ -320,9 +316,6 @@ def work(job: Job) -> Result:
             **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
         }
         rows.append(row)
-    for r in rows:  # the CSV's figures as metrics too (step = seq: charted against seq in the UI)
-        for k in FIGURES:
-            metrics[f"{r['variant']}_{k}"] = float(r[k])
     metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
     if dev.type == "cuda":
         metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30

@@ -11,8 +11,6 @@ from entrypoints import start as _start
 from entrypoints import wait as _wait
 from mlflow import MlflowClient
 
-from experiments.decode import FIGURES
-
 TINY = {"l": 16, "d": 8, "l_sel": 16, "n_sel": 4, "w": 32, "n_kv_heads": 2, "d_k": 16, "d_v": 16}  # conf/model/tiny.yaml
 
 
@@ -113,14 +111,9 @@ def test_decode_csv_columns_mean_what_they_say(runs):
     job_dirs = sorted(p for p in sweep_dir.glob("*_seq*") if p.is_dir())
     assert [p.name for p in job_dirs] == ["0_seq72", "1_seq128"]
     assert {"decode_sweep.csv", "decode_vs_seq.png", "multirun.yaml"} <= {p.name for p in sweep_dir.iterdir()}
-    c, rs = _runs(tmp, "decode")
-    by_seq = {int(r.data.metrics["seq"]): r.data.metrics for r in rs if "mlflow.parentRunId" in r.data.tags}
     for job_dir in job_dirs:
         rows = {r["variant"]: r for r in _rows(job_dir / "decode.csv")}
         S = int(rows["nsa"]["seq_tokens"])
-        for v, r in rows.items():  # each variant's figures are metrics of its run too
-            for k in FIGURES:
-                assert by_seq[S][f"{v}_{k}"] == pytest.approx(float(r[k])), (S, v, k)
         exp = _expected_tokens(S)
         exp["layer"] = exp["nsa"]
         for v, r in rows.items():
