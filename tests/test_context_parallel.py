@@ -48,6 +48,7 @@ def _worker(rank: int, world: int, init: str, T: int, phi: str, out: str) -> Non
         phi_grads = {f"{k}.{n}": p.grad for k, m in (("k", pk), ("v", pv)) if m is not None
                      for n, p in m.named_parameters()}
         torch.save({"o": o.detach(), "grads": {n: part[n].grad for n in NAMES}, "phi": phi_grads}, f"{out}/{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still exchanges with it
     finally:
         dist.destroy_process_group()
 
@@ -90,6 +91,7 @@ def _layer_worker(rank: int, world: int, init: str, T: int, out: str) -> None:
         (y * cp.shard(weight, rank, world)).sum().backward()
         torch.save({"y": y.detach(), "x": xr.grad, "params": {n: p.grad for n, p in layer.named_parameters()}},
                    f"{out}/{rank}.pt")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
