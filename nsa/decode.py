@@ -152,7 +152,6 @@ class GraphDecoder:
                 g1 = m.gate[0] if c.gate_hidden else m.gate
                 self._w_cat = torch.cat(ws + [g1.weight], 0).detach().clone()
                 self._b_cat = torch.cat([g1.bias.new_zeros(n_qkv), g1.bias]).detach().clone()
-                self._w_qkv = self._w_cat[:n_qkv]
             else:
                 self._w_qkv = torch.cat(ws, 0).detach().clone()
 
@@ -192,8 +191,8 @@ class GraphDecoder:
         c, cache, m = self.config, self.cache, self.module
         B, HQ, H, Dk, Dv = self.B, c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         x2 = x.reshape(B, c.dim)
-        raw = (cache.k_cmp_raw, cache.v_cmp_raw, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win)
         if self._prologue is not None:
+            raw = (cache.k_cmp_raw, cache.v_cmp_raw, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win)
             P = torch.addmm(self._b_cat, x2, self._w_cat.t())
             return self._prologue(P, self._pos, self._cos, self._sin, raw, self._k_cmp_ext, self._v_cmp_ext, m)
         q, kc, vc, ks, vs, kw, vw = torch.matmul(x2, self._w_qkv.t()).split(self._split_sizes, dim=-1)

@@ -259,7 +259,7 @@ class NSAAttention(nn.Module):
             if cache is not None:
                 self._check_packed_prefill(cache, docs)
         elif cache is not None and cache.ragged:
-            return self._forward_rows(x, cache)
+            return forward_rows(self, x, cache)
         start = 0 if cache is None or docs is not None else cache.length
         pos = torch.arange(start, start + T, device=x.device) if docs is None else docs.row_pos(x.device)
         q, kv, gates = self._project(x, pos)
@@ -325,9 +325,6 @@ class NSAAttention(nn.Module):
             cache.k_cmp[i, :nc] = k_cmp[0, c0:c0 + nc]
             cache.v_cmp[i, :nc] = v_cmp[0, c0:c0 + nc]
             c0 += nc
-
-    def _forward_rows(self, x: torch.Tensor, cache: NSACache) -> torch.Tensor:
-        return forward_rows(self, x, cache)
 
     def _append(self, cache: NSACache, x: torch.Tensor, kv: dict):
         """Write the new tokens into the cache and emit the compressed tokens whose block just

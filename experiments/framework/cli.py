@@ -194,14 +194,14 @@ def _known_key(key: str, arg: str, base, known: dict, entry: str) -> None:
     its entry point)."""
     import difflib
 
+    from omegaconf import DictConfig, OmegaConf
+
     name = key.lstrip("+~")
     top = name.split(".")[0].split("/")[0]  # hydra/launcher=..: Hydra's own groups
-    if top == "hydra" or name in known or top in base:
-        if key[0] in "+~" or top == "hydra" or name in known:
-            return
-        from omegaconf import DictConfig, OmegaConf
-
-        if OmegaConf.select(base, name, default=_MISSING) is not _MISSING:
+    if top == "hydra" or name in known:
+        return
+    if top in base:
+        if key[0] in "+~" or OmegaConf.select(base, name, default=_MISSING) is not _MISSING:
             return
         parts = name.split(".")
         for i in range(len(parts) - 1, 0, -1):  # a section without the struct flag takes new keys (tuning.<op>.*)

@@ -25,7 +25,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, ListConfig, open_dict
+from omegaconf import DictConfig, open_dict
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 30.0  # how long an interrupted sweep waits for its workers to end their runs
@@ -71,7 +71,7 @@ def gpu_ids(gpus, visible: str | None, count: int) -> list[str]:
         if not seen:
             raise ValueError("hydra.launcher.gpus: no GPU is visible here; give a count or a list of device ids")
         return seen
-    if isinstance(gpus, bool) or not isinstance(gpus, (int, Sequence, ListConfig)) or isinstance(gpus, str):
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, Sequence)) or isinstance(gpus, str):
         raise ValueError(f"hydra.launcher.gpus={gpus!r}: a count, a list of device ids, or null (every visible GPU)")
     if isinstance(gpus, int):
         if gpus < 1 or gpus > len(seen):
