@@ -207,7 +207,8 @@ def test_triton_prologue_replays_match_the_torch_prologue(phi, gate_hidden, d_v,
         a, b = getattr(c1, name), getattr(c0, name)
         errs[name] = _rel(a, b)
         # raw tokens: RoPE's float32 products may round once the other way; phi: sums in another order
-        assert errs[name] <= (1e-3 if name in ("k_cmp", "v_cmp") else 1e-5), f"{name}: rel-L2 {errs[name]:.3g}"
+        # (measured on an H100, final kernels: raw <= 2.1e-6, compressed <= 2.4e-5)
+        assert errs[name] <= (2e-4 if name in ("k_cmp", "v_cmp") else 1e-5), f"{name}: rel-L2 {errs[name]:.3g}"
     with capsys.disabled():
         print(f"\n[prologue {phi}] worst step rel-L2 {worst:.3g}; caches " +
               ", ".join(f"{k} {v:.2g}" for k, v in errs.items()))
