@@ -10,6 +10,10 @@ against the layer on one device (outputs, input and parameter gradients).
 """
 from __future__ import annotations
 
+import gc
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,24 +42,38 @@ def _problem(T: int, phi: str):
     return cfg, x, phis, weight
 
 
-def _worker(rank: int, world: int, init: str, T: int, phi: str, out: str) -> None:
+def _rank(rank: int, body, world: int, init: str, *args) -> None:
+    """One rank: ``body(rank, world, *args)`` (which saves this rank's results) inside a gloo group.
+
+    A clean exit, not a C++ teardown left to chance: the ranks meet at a barrier (none closes its sockets
+    while another still exchanges with it), every tensor and autograd node of the body is gone before the
+    group is destroyed (an autograd node of ``all_gather`` keeps the group alive otherwise, and a gloo group
+    destroyed during interpreter finalization can abort the process: SIGABRT, seen in CI), and the process
+    then leaves without finalization. A failing body raises as usual (its traceback reaches mp.spawn)."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        cfg, x, (pk, pv), weight = _problem(T, phi)
-        part = {n: cp.shard(v, rank, world).requires_grad_() for n, v in x.items()}
-        o = cp.nsa_attention(*(part[n] for n in NAMES), cfg, phi_k=pk, phi_v=pv)
-        (o * cp.shard(weight, rank, world)).sum().backward()
-        phi_grads = {f"{k}.{n}": p.grad for k, m in (("k", pk), ("v", pv)) if m is not None
-                     for n, p in m.named_parameters()}
-        torch.save({"o": o.detach(), "grads": {n: part[n].grad for n in NAMES}, "phi": phi_grads}, f"{out}/{rank}.pt")
-        dist.barrier()  # no rank tears gloo down while another still exchanges with it
-    finally:
-        dist.destroy_process_group()
+    body(rank, world, *args)
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _attention_body(rank: int, world: int, T: int, phi: str, out: str) -> None:
+    cfg, x, (pk, pv), weight = _problem(T, phi)
+    part = {n: cp.shard(v, rank, world).requires_grad_() for n, v in x.items()}
+    o = cp.nsa_attention(*(part[n] for n in NAMES), cfg, phi_k=pk, phi_v=pv)
+    (o * cp.shard(weight, rank, world)).sum().backward()
+    phi_grads = {f"{k}.{n}": p.grad for k, m in (("k", pk), ("v", pv)) if m is not None
+                 for n, p in m.named_parameters()}
+    torch.save({"o": o.detach(), "grads": {n: part[n].grad for n in NAMES}, "phi": phi_grads}, f"{out}/{rank}.pt")
 
 
 @pytest.mark.parametrize("world,T,phi", [(2, 40, "mlp"), (3, 36, "avg")], ids=["2ranks-T40-mlp", "3ranks-T36-mean"])
 def test_context_parallel_equals_one_device(tmp_path, world, T, phi):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), T, phi, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(_attention_body, world, str(tmp_path / "init"), T, phi, str(tmp_path)), nprocs=world,
+             join=True)
     parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     cfg, x, (pk, pv), weight = _problem(T, phi)
     full = {n: v.clone().requires_grad_() for n, v in x.items()}
@@ -82,25 +100,20 @@ def _layer(T: int):
     return layer, x, weight
 
 
-def _layer_worker(rank: int, world: int, init: str, T: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        layer, x, weight = _layer(T)
-        xr = cp.shard(x, rank, world).requires_grad_()
-        y = layer(xr, cp_group=dist.group.WORLD)
-        (y * cp.shard(weight, rank, world)).sum().backward()
-        torch.save({"y": y.detach(), "x": xr.grad, "params": {n: p.grad for n, p in layer.named_parameters()}},
-                   f"{out}/{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _layer_body(rank: int, world: int, T: int, out: str) -> None:
+    layer, x, weight = _layer(T)
+    xr = cp.shard(x, rank, world).requires_grad_()
+    y = layer(xr, cp_group=dist.group.WORLD)
+    (y * cp.shard(weight, rank, world)).sum().backward()
+    torch.save({"y": y.detach(), "x": xr.grad, "params": {n: p.grad for n, p in layer.named_parameters()}},
+               f"{out}/{rank}.pt")
 
 
 def test_layer_with_a_cp_group_equals_the_layer_on_one_device(tmp_path):
     """The module: RoPE at each rank's own positions, phi and the gate MLP, o_proj; input and parameter
     gradients (the latter summed over the ranks)."""
     world, T = 2, 32
-    mp.spawn(_layer_worker, args=(world, str(tmp_path / "init"), T, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(_layer_body, world, str(tmp_path / "init"), T, str(tmp_path)), nprocs=world, join=True)
     parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
     layer, x, weight = _layer(T)
     x.requires_grad_()
