@@ -6,7 +6,7 @@ n_init / n_local (forced initial and most recent blocks).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 PHI_CHOICES = ("mlp", "avg")
 
@@ -72,6 +72,17 @@ class NSAConfig:
     def n_blocks(self, T: int) -> int:
         """Selection blocks that hold at least one of T raw tokens."""
         return -(-T // self.l_sel)
+
+    def sel_count(self, n_blocks: int) -> int:
+        """Blocks the top-n keeps among ``n_blocks`` candidates: n_sel, bounded by the blocks that exist
+        (with fewer candidates Eq. 12 takes them all), and never below n_init + n_local (the forced ones)."""
+        return min(self.n_sel, max(n_blocks, self.n_init + self.n_local))
+
+    def bounded(self, S: int) -> "NSAConfig":
+        """This config with n_sel bounded by the selection blocks of S keys (:meth:`sel_count`): the same
+        outputs, with work and index tensors sized by the blocks that exist, not by n_sel."""
+        k = self.sel_count(self.n_blocks(S))
+        return self if k == self.n_sel else replace(self, n_sel=k)
 
     def decode_tokens_formula(self, S: int) -> int:
         """Paper Table 4: key/value tokens read per decode step and group at context S."""

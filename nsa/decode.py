@@ -113,7 +113,9 @@ class GraphDecoder:
         if any(x is not be for x in chosen.values()):
             raise ValueError(f"backend={plan}: GraphDecoder runs the three branches in one backend's decode "
                              "kernels; name one backend")
-        self._kernels = be.decode_kernels(c, self.B, self.max_len, self.device, self.dtype, n_sm=n_sm)
+        # n_sel bounded by the cache's blocks (NSAConfig.bounded): kernels and index buffers sized by them
+        self._kernels = be.decode_kernels(c.bounded(self.max_len), self.B, self.max_len, self.device, self.dtype,
+                                          n_sm=n_sm)
         if self._kernels is None:
             raise dispatch.BackendUnavailable(f"backend {be.name!r} cannot run branches {', '.join(BRANCHES)} in "
                                               "GraphDecoder: it has no decode kernels (the 'triton' backend has)")

@@ -160,8 +160,9 @@ def selection_scores(p_cmp, config: NSAConfig, n_blocks: int, *, cu_seqlens=None
 
 
 def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=None):
-    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,n_sel]`` ascending, -1 padded
-    (packed documents: positions and blocks counted from each document's start)."""
+    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,k]`` ascending, -1 padded, with
+    k = ``config.sel_count(nb)`` (n_sel, bounded by the nb blocks; packed documents: positions and blocks
+    counted from each document's start)."""
     _check_4d("scores", scores)
     _check_q_start(q_start)
     if scores.shape[2] != config.n_kv_heads:
@@ -170,6 +171,7 @@ def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=Non
     if docs is not None and scores.shape[3] < docs.n_blocks(config):
         _fail(f"scores: {scores.shape[3]} blocks but the longest document of cu_seqlens ({docs.max_len} tokens) "
               f"needs {docs.n_blocks(config)} (ceil(L / l_sel))")
+    config = config.bounded(scores.shape[3] * config.l_sel)  # n_sel beyond the candidate blocks selects them all
     need = config.n_blocks(q_start + scores.shape[1])
     if docs is None and scores.shape[3] < need:
         _fail(f"scores: {scores.shape[3]} blocks but queries up to position {q_start + scores.shape[1] - 1} "
@@ -180,9 +182,10 @@ def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=Non
 def _check_indices(q, indices, config):
     if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
         _fail("indices: expected an int32/int64 tensor [B,Tq,H,n_sel]")
-    want = (q.shape[0], q.shape[1], config.n_kv_heads, config.n_sel)
-    if tuple(indices.shape) != want:
-        _fail(f"indices: expected shape {list(want)} [B,Tq,H,n_sel], got {tuple(indices.shape)}")
+    want = (q.shape[0], q.shape[1], config.n_kv_heads)
+    if indices.dim() != 4 or tuple(indices.shape[:3]) != want or not 1 <= indices.shape[3] <= config.n_sel:
+        _fail(f"indices: expected shape [{', '.join(map(str, want))}, k] [B,Tq,H,k] with 1 <= k <= n_sel="
+              f"{config.n_sel}, got {tuple(indices.shape)}")
     if indices.device != q.device:
         _fail(f"indices: device {indices.device} differs from q's {q.device}")
 
@@ -214,7 +217,7 @@ def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None =
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
                        backend: str = "reference", cu_seqlens=None):
     """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks.
-    ``indices [B,Tq,H,n_sel]``: block numbers in [0, ceil(S / l_sel)), -1 for none (checked: a
+    ``indices [B,Tq,H,k]`` (k <= n_sel): block numbers in [0, ceil(S / l_sel)), -1 for none (checked: a
     ValueError names a value out of range); packed documents: counted from the row's document start."""
     _check_q(q, config)
     _check_q_start(q_start)
@@ -267,7 +270,9 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     selected branch's backend may compute the gated sum in its own epilogue (the triton backend does:
     o_sel is then summed in float32 before rounding, so bf16 outputs differ from the path with a
     gradient by rounding only). ``cu_seqlens``: packed documents (module docstring), prefill only.
-    Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,n_sel])``.
+    Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,k])``, k = ``config.sel_count(ceil(S / l_sel))``
+    (n_sel bounded by the blocks of the S keys, packed: of the longest document; a larger n_sel selects
+    every block, at the cost of the blocks that exist).
     """
     _check_q(q, config)
     _check_q_start(q_start)
@@ -284,6 +289,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
         _fail(f"gates: expected shape {[*q.shape[:3], 3]} [B,Tq,HQ,3], got {tuple(gates.shape)}")
     _check_same("q", q, gates=gates)
     sc = _scale(q, scale)
+    # n_sel beyond the blocks of S keys (packed: of the longest document) selects them all: work sized by them
+    config = config.bounded(S if docs is None else docs.max_len)
     dev, dt = q.device, q.dtype
     rec = dispatch._CURRENT.get()
     if rec is not None:

@@ -180,8 +180,17 @@ def per_document(fn, cfg: NSAConfig, lens, x: dict, names=ARG_ORDER):
         if raw.stop > raw.start:
             outs.append(fn(*(x[n][:, cmp if n in ("k_cmp", "v_cmp") else raw] for n in names)))
     if isinstance(outs[0], tuple):
-        return tuple(torch.cat(parts, 1) for parts in zip(*outs))
+        return tuple(torch.cat(_same_width(parts), 1) for parts in zip(*outs))
     return torch.cat(outs, 1)
+
+
+def _same_width(parts):
+    """Index tensors of documents alone, -1 padded to the widest: a short document alone has fewer
+    columns (n_sel bounded by its blocks, NSAConfig.sel_count) than the packed call's."""
+    if parts[0].dtype.is_floating_point:
+        return parts
+    k = max(p.shape[-1] for p in parts)
+    return [torch.nn.functional.pad(p, (0, k - p.shape[-1]), value=-1) for p in parts]
 
 
 @pytest.fixture(autouse=True)

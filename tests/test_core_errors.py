@@ -180,8 +180,11 @@ def test_branch_functions_bad_arguments(inputs):
     fn.selected_attention(q, x["k_sel"], x["v_sel"], idx, c)  # valid
     with pytest.raises(ValueError, match="indices: expected an int32/int64"):
         fn.selected_attention(q, x["k_sel"], x["v_sel"], idx.double(), c)
-    with pytest.raises(ValueError, match=r"indices: expected shape \[2, 20, 2, 3\]"):
-        fn.selected_attention(q, x["k_sel"], x["v_sel"], idx[..., :2], c)
+    fn.selected_attention(q, x["k_sel"], x["v_sel"], idx[..., :2], c)  # fewer columns than n_sel: valid
+    for bad in (idx[..., :0], torch.zeros(2, 20, 2, 4, dtype=torch.int64), idx[:, :19]):
+        with pytest.raises(ValueError, match=r"indices: expected shape \[2, 20, 2, k\] \[B,Tq,H,k\] with 1 <= k <= "
+                                             r"n_sel=3, got"):
+            fn.selected_attention(q, x["k_sel"], x["v_sel"], bad, c)
     with pytest.raises(ValueError, match="indices: device"):
         fn.selected_attention(q, x["k_sel"], x["v_sel"], idx.to("meta"), c)
     with pytest.raises(ValueError, match="v_sel: dtype"):

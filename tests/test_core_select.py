@@ -58,13 +58,13 @@ def test_local_forcing_is_relative_to_each_query():
 
 def test_fewer_candidates_than_n_sel_take_all_and_pad():
     cfg = cfg_of(n_sel=5, n_init=1, n_local=1)
-    T = 10  # candidates at t: 0..t//4, at most 3
+    T = 10  # candidates at t: 0..t//4, at most 3: three columns (n_sel bounded by the blocks), -1 padded
     s = torch.rand(2, T, 1, 3, dtype=torch.float64)
     idx = fn.select_blocks(s, cfg)
-    assert idx.shape == (2, T, 1, 5)
+    assert idx.shape == (2, T, 1, 3)
     for t in range(T):
         n = t // 4 + 1
-        assert idx[:, t, 0].tolist() == [list(range(n)) + [-1] * (5 - n)] * 2
+        assert idx[:, t, 0].tolist() == [list(range(n)) + [-1] * (3 - n)] * 2
 
 
 def test_future_blocks_are_never_candidates():
