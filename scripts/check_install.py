@@ -58,6 +58,11 @@ class InstallLine:
         return CPU_INDEX in self.args
 
 
+def documented_text() -> str:
+    """The README, then every page of docs/ (sorted): where a user copies install lines from."""
+    return "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 def readme_install_lines(readme: str) -> list[InstallLine]:
     """Every `pip install` of the README's bash blocks (one per `&&`-separated command), but --no-index."""
     found = []
@@ -141,11 +146,11 @@ def dry_run(line: InstallLine, cpu_wheels: str | None) -> tuple[list[str], str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-wheels", help=f"a folder with torch's +cpu wheel, for where {CPU_INDEX} is unreachable")
-    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--readme", help="one Markdown file to read instead of the README and docs/*.md")
     args = ap.parse_args(argv)
-    lines = readme_install_lines(Path(args.readme).read_text())
+    lines = readme_install_lines(Path(args.readme).read_text() if args.readme else documented_text())
     if not lines:
-        print("check_install: no pip install line in the README", file=sys.stderr)
+        print("check_install: no pip install line in the README or docs/", file=sys.stderr)
         return 1
     failed = 0
     for line in lines:

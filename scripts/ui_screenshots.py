@@ -5,7 +5,7 @@ view of the link the sweep's summary prints, and the parent run's page.
 
 Starts ``mlflow ui`` on 127.0.0.1 (a free port) over the store, renders each page in headless
 Chromium (Debian's ``chromium``: ``apt-get install chromium``) and stops the server. The parent is the
-newest run of the experiment that has children. Look at the PNGs: the README says which view to open.
+newest run of the experiment that has children. Look at the PNGs: docs/experiments.md ("MLflow") says which view to open.
 """
 from __future__ import annotations
 

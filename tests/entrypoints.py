@@ -19,11 +19,24 @@ ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")
 INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 
 
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # what a user reads and copies from
+
+
+def doc_text() -> str:
+    """The README and every page of docs/, one text."""
+    return "\n".join(p.read_text() for p in DOCS)
+
+
+def doc_section(heading: str) -> str:
+    """The text under the ``## <heading>...`` of the README or a docs page, to the next ``## ``."""
+    return doc_text().split("## " + heading, 1)[1].split("\n## ", 1)[0].split("\n# ", 1)[0]
+
+
 def documented_commands() -> list[str]:
-    """Every ``python -m experiments.<entry> ...`` line of the README's shell blocks, the entry
-    points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
+    """Every ``python -m experiments.<entry> ...`` line of the shell blocks of the README and docs/, the
+    entry points' --help (conf/<entry>.yaml hydra.help.header) and their docstrings; placeholders
     (``<run id>``) are run by the tests that have one."""
-    texts = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    texts = re.findall(r"```bash\n(.*?)```", doc_text(), re.S)
     for e in ENTRIES:
         texts.append(OmegaConf.load(REPO / "conf" / f"{e}.yaml").hydra.help.header)
         texts.append(ast.get_docstring(ast.parse((REPO / "experiments" / f"{e}.py").read_text())))

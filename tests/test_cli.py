@@ -190,7 +190,7 @@ def test_documented_commands_cover_the_card_and_every_entry():
     assert {argv(c)[0][1] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
     assert any(not NEEDS_GPU.search(c) and argv(c)[0][1] == f"experiments.{e}" for e in ENTRIES for c in cmds)
     # every cluster command is the README cluster block's run line, which tests/test_cluster.py runs
-    readme = (REPO / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
+    readme = entrypoints.doc_section("Sweeps on a SLURM cluster")
     block = " ".join(re.findall(r"```bash\n(.*?)```", readme, re.S)).split("\n")
     assert all(c in [" ".join(ln.split()) for ln in block] for c in cmds if NEEDS_CLUSTER.search(c))
 

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import entrypoints
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,7 @@ LONG = 4000  # decode repeats (seq=64..256, decode.per_branch=false): about 10-2
 
 def readme_commands() -> list[str]:
     """The command lines between `scripts/cluster.sh up` and `down` in the README's cluster block."""
-    readme = (ROOT / "README.md").read_text().split("## Sweeps on a SLURM cluster", 1)[1].split("\n## ", 1)[0]
+    readme = entrypoints.doc_section("Sweeps on a SLURM cluster")
     (block,) = re.findall(r"```bash\n(.*?)```", readme, re.S)
     lines = [" ".join(ln.split("#")[0].split()) for ln in block.strip().splitlines()]
     assert lines[0].endswith("scripts/cluster.sh up") and lines[-1] == "scripts/cluster.sh down", lines

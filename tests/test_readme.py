@@ -1,4 +1,5 @@
-"""The README's usage examples run as written (the CUDA-only block is skipped on CPU machines)."""
+"""The README's and docs/layer.md's usage examples run as written (the CUDA-only block is skipped on CPU
+machines), the Quickstart is two lines CI runs, and the README stays short, its depth in docs/."""
 from __future__ import annotations
 
 import re
@@ -7,20 +8,42 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+LAYER = README.parent / "docs" / "layer.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", LAYER.read_text(), re.S)
+README_BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_readme_has_the_examples():
+def test_the_docs_have_the_examples():
+    assert len(README_BLOCKS) == 1 and "NSAAttention" in README_BLOCKS[0]
     assert len(BLOCKS) >= 3
     assert "NSAAttention" in BLOCKS[0] and "nsa_attention" in BLOCKS[1] and "GraphDecoder" in BLOCKS[2]
 
 
+def test_readme_example_runs():
+    exec(compile(README_BLOCKS[0], "README.md block 0", "exec"), {})
+
+
 @pytest.mark.parametrize("i", [0, 1])
-def test_readme_example_runs(i, capsys):
-    exec(compile(BLOCKS[i], f"README.md block {i}", "exec"), {})
+def test_layer_example_runs(i, capsys):
+    exec(compile(BLOCKS[i], f"docs/layer.md block {i}", "exec"), {})
     if i == 1:
         out = capsys.readouterr().out
         assert "torch.Size([1, 200, 4, 16])" in out and "'sel': 'reference'" in out
+
+
+def test_readme_is_short_and_links_resolve():
+    """A newcomer's read: at most 200 lines; every relative link of the README and docs/ names a file
+    that exists (and, with a #fragment, a heading of it)."""
+    assert len(README.read_text().splitlines()) <= 200
+    for page in [README, *sorted((README.parent / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]*)(?:#([^)]*))?\)", page.read_text()):
+            path, frag = target
+            f = (page.parent / path).resolve() if path else page
+            assert f.exists(), f"{page.name}: link to {path} (missing)"
+            if frag:
+                slugs = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+                         for h in re.findall(r"^#+ (.*)$", f.read_text(), re.M)}
+                assert frag in slugs, f"{page.name}: link to {path}#{frag} (no such heading)"
 
 
 def _quickstart_lines() -> list[str]:

@@ -38,8 +38,8 @@ def _running(tmp: Path, finished: int = 0) -> tuple[str, str] | None:
 
 
 def documented(name: str) -> list[str]:
-    """The command lines that run ``python -m experiments.<name>`` in the README and in its docstring."""
-    text = (REPO / "README.md").read_text() + (REPO / "experiments" / f"{name}.py").read_text()
+    """The command lines that run ``python -m experiments.<name>`` in the README, docs/ and its docstring."""
+    text = entrypoints.doc_text() + (REPO / "experiments" / f"{name}.py").read_text()
     return sorted({m.split("#")[0].strip() for m in re.findall(rf"^\s*(python -m experiments\.{name} .*)$", text, re.M)})
 
 

@@ -30,8 +30,7 @@ FAULT = "python -m experiments.validate hardware=cpu validate.checks=[env,kernel
 
 
 def test_the_readme_and_the_help_hold_the_commands_run_here():
-    readme = (REPO / "README.md").read_text()
-    block = re.findall(r"```bash\n(.*?)```", readme.split("## Validate a GPU", 1)[1], re.S)
+    block = re.findall(r"```bash\n(.*?)```", entrypoints.doc_section("Validate a GPU"), re.S)
     lines = [" ".join(ln.split()) for b in block for ln in b.splitlines()]
     assert PASSING in lines and FAULT in lines and "python -m experiments.validate hardware=h200" in lines
     header = OmegaConf.load(REPO / "conf" / "validate.yaml").hydra.help.header
