@@ -18,7 +18,7 @@ from mlflow import MlflowClient
 
 from experiments.framework import cli
 
-CARD = ["hardware=rtx4090", "-m", "seq=512,1024,2048,4096"]  # the design card's command
+CARD = ["hardware=h100", "-m", "seq=512,1024,2048,4096"]  # the design card's command
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
 # Commands against the team server run where the server runs: tests/test_cluster.py runs the README's
@@ -198,7 +198,7 @@ def test_documented_commands_cover_the_card_and_every_entry():
 def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
     tmp, rc, out, err, _ = cli_runs["python -m experiments.decode " + " ".join(CARD)]
     assert rc == 2 and one_line(err) == [
-        "config error: hardware=rtx4090 does not match the detected device " + err.split("detected device ")[1].strip()]
+        "config error: hardware=h100 does not match the detected device " + err.split("detected device ")[1].strip()]
     assert "use hardware=auto, or hardware.strict=false" in err and not (tmp / "outputs").exists()
 
 
@@ -275,3 +275,32 @@ def test_sweep_without_a_parent_does_not_start(cli_runs):
     exp = c.get_experiment_by_name("nsa-decode")
     assert not c.search_runs([exp.experiment_id], run_view_type=3)  # no run at all, deleted or not
     assert not (tmp / "out").exists() and "Launching" not in out
+
+
+# Each entry point's groups (what its --help lists) and a group it must not list.
+OWN_GROUPS = {"decode": ({"backend", "hardware", "model", "seq_len"}, "attention"),
+              "prefill": ({"backend", "hardware", "model", "seq_len"}, "data"),
+              "parity": ({"backend", "hardware", "model", "seq_len"}, "train"),
+              "kernels": ({"op", "hardware", "model"}, "attention"),
+              "validate": ({"hardware", "tracking"}, "op"),
+              "train": ({"attention", "data", "lm", "train", "hardware"}, "op")}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_each_entry_points_help_is_its_own(entry, tmp_path):
+    """``--help``: the entry point's examples, its own config groups with their options, its own settings,
+    one screenful (Hydra's default listed every entry point's groups and the whole config)."""
+    p = subprocess.run([sys.executable, "-m", f"experiments.{entry}", "--help"], cwd=tmp_path, env=entrypoints.env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and not p.stderr.strip(), p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) <= 60, len(lines)
+    examples = [ln for ln in lines if re.match(rf"\s+(TRITON_INTERPRET=1 )?python -m experiments\.{entry}\b", ln)]
+    assert 2 <= len(examples) <= 3
+    groups = lines[lines.index("== Config groups (group=option) ==") + 1:]
+    groups = {ln.split(":")[0] for ln in groups[:groups.index("")]}
+    own, foreign = OWN_GROUPS[entry]
+    assert own <= groups and foreign not in groups, groups
+    options = next(ln for ln in lines if ln.startswith("hardware: "))
+    assert options.startswith("hardware: a100, auto, cpu, h100, h200, rtx4090 (now: ")
+    assert f"\n{entry}:\n" in p.stdout  # its own section

@@ -13,9 +13,12 @@
 An entry point is a ``work(job) -> Result`` function, a ``@hydra.main`` task that calls
 :func:`run_job`, and ``launch(main, "<entry>")`` as its ``__main__``.
 """
+from . import help as _help
 from .cli import launch
 from .config import ConfigError, Job, ResourceLimit, check_memory
 from .job import Result, run_job
 from .report import Charts
+
+_help.register()  # the resolvers of conf/common.yaml's help template
 
 __all__ = ["Charts", "ConfigError", "Job", "ResourceLimit", "Result", "check_memory", "launch", "run_job"]
