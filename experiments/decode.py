@@ -323,8 +323,11 @@ def work(job: Job) -> Result:
     headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
                 "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
                 "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
-    return Result(rows, metrics, headline=headline, charts=Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x")),
-                  tags=tags, texts=texts)
+    # The sweep's parent charts each of these per variant against seq (metrics <y>/<variant>): the latency
+    # and speedup, and what a step reads (tokens, bytes), its HBM floor and share of the roofline.
+    charts = Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x", "kv_tokens_read_per_step_per_group",
+                                              "kv_bytes_read_per_step", "hbm_floor_ms", "kv_bw_roofline_pct"))
+    return Result(rows, metrics, headline=headline, charts=charts, tags=tags, texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")

@@ -238,7 +238,9 @@ def test_sweep_first_look_in_mlflow(runs):
         assert int(r.data.params["decode.repeats"]) > 5  # the tiny model's p50 from more than 5 samples
         assert "config.yaml" in _artifacts(c, r.info.run_id)
     # The parent's own charts are the sweep's lines: one metric per (column, variant), stepped by seq.
-    for key in ("p50_ms/nsa", "p50_ms/dense", "speedup_vs_dense_x/nsa", "speedup_vs_dense_x/sel"):
+    for key in ("p50_ms/nsa", "p50_ms/dense", "speedup_vs_dense_x/nsa", "speedup_vs_dense_x/sel",
+                "kv_tokens_read_per_step_per_group/nsa", "kv_tokens_read_per_step_per_group/dense",
+                "kv_bytes_read_per_step/sel", "hbm_floor_ms/nsa", "kv_bw_roofline_pct/win"):
         assert sorted(m.step for m in c.get_metric_history(parent.info.run_id, key)) == [72, 128], key
     assert "speedup_vs_dense_x/dense" not in parent.data.metrics  # dense vs itself means nothing
     # sweep_wall_s is the time the console reports
