@@ -55,11 +55,11 @@ from nsa import NSAAttention
 from nsa._compat import SDPA_ENABLE_GQA
 from nsa.backends.triton.utils import p2
 from nsa.decode import GraphDecoder, tokens_read
+from nsa.dispatch import BRANCHES
 
 from . import measure, peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 
-BRANCHES = ("cmp", "sel", "win")
 log = logging.getLogger("experiments.decode")
 
 

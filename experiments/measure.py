@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, dispatch, functional
+from nsa.dispatch import BRANCHES
 from nsa.module import forward_rows
 from nsa._compat import sdpa_gqa
 
-BRANCHES = ("cmp", "sel", "win")
 
 
 @dataclass

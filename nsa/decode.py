@@ -43,10 +43,10 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .dispatch import BRANCHES
 from .config import NSAConfig
 from .module import NSAAttention, NSACache, apply_rope, rope_cos_sin
 
-BRANCHES = ("cmp", "sel", "win")
 
 
 def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:

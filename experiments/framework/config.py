@@ -18,13 +18,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 import nsa
 from nsa import dispatch
+from nsa.dispatch import BRANCHES
 from nsa.toolchain import ToolchainError, check_toolchain
 
 from . import hardware
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
-BRANCHES = ("cmp", "sel", "win")
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called

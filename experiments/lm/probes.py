@@ -21,6 +21,7 @@ import math
 import torch
 
 from nsa import NSAAttention, functional
+from nsa.dispatch import BRANCHES
 
 
 class _GateHooks:
@@ -36,8 +37,6 @@ class _GateHooks:
 
 class GateMeans(_GateHooks):
     """Mean gate per branch and layer over the forwards seen while ``active``."""
-
-    BRANCHES = ("cmp", "sel", "win")
 
     def __init__(self, layers: list[NSAAttention]):
         self.active = True
@@ -67,10 +66,10 @@ class GateMeans(_GateHooks):
         if not self._handles or self._n == 0:
             return {}
         per_layer = torch.stack(self._sum).cpu() / self._n  # [layers, 3]
-        out = _per_branch("gate_{}", per_layer, self.BRANCHES)
+        out = _per_branch("gate_{}", per_layer, BRANCHES)
         if all(a is not None for a in self._ans):
             out.update(_per_branch("gate_{}_answers", torch.stack([s / n.clamp(min=1) for s, n in self._ans]).cpu(),
-                                   self.BRANCHES))
+                                   BRANCHES))
         self._sum, self._ans, self._n = [None] * len(self._sum), [None] * len(self._ans), 0
         return out
 

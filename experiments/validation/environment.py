@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from nsa import dispatch, toolchain
+from nsa.dispatch import BRANCHES
 
 from ..framework import tracking
 from .core import Check, Context
 from .report import Table
 
 BACKENDS = ("reference", "triton", "sdpa", "fa2")
-BRANCHES = ("cmp", "sel", "win")
 
 
 def availability(device: torch.device, dtype: torch.dtype) -> dict[str, dict[str, str | None]]:

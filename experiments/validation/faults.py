@@ -16,8 +16,8 @@ import contextlib
 import torch
 
 from nsa import dispatch
+from nsa.dispatch import BRANCHES
 
-BRANCHES = ("cmp", "sel", "win")
 SIZE = 0.1  # the constant: this fraction of the RMS of the branch's values
 
 
