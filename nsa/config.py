@@ -84,6 +84,11 @@ class NSAConfig:
         k = self.sel_count(self.n_blocks(S))
         return self if k == self.n_sel else replace(self, n_sel=k)
 
+    def rope_rule(self) -> str | None:
+        """Why the layer (``NSAAttention``, which rotates queries and keys) cannot take this config, or None:
+        RoPE rotates pairs of dims, so d_k must be even. The functional API has no RoPE and takes any d_k."""
+        return "must be even for RoPE (it rotates pairs of dims)" if self.d_k % 2 else None
+
     def decode_tokens_formula(self, S: int) -> int:
         """Paper Table 4: key/value tokens read per decode step and group at context S."""
         return self.n_cmp(S) + min(self.n_sel * self.l_sel, S) + min(self.w, S)

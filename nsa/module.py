@@ -174,8 +174,8 @@ class NSAAttention(nn.Module):
     def __init__(self, config: NSAConfig, *, backend="reference", fallback: str | None = None, streams: bool = True):
         super().__init__()
         c = self.config = config
-        if c.d_k % 2:
-            raise ValueError(f"NSAConfig.d_k={c.d_k}: must be even for RoPE (rotates pairs of dims)")
+        if c.rope_rule():
+            raise ValueError(f"NSAConfig.d_k={c.d_k}: {c.rope_rule()}")
         self.backend, self.fallback, self.streams = backend, fallback, streams
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=False)

@@ -69,7 +69,10 @@ def test_config_limits_that_are_allowed():
 
 
 def test_module_rejects_odd_d_k_for_rope():
-    with pytest.raises(ValueError, match="d_k"):
+    """One rule (NSAConfig.rope_rule) for the layer, the experiments' config and the training loop's; the
+    functional API has no RoPE and takes an odd d_k."""
+    assert cfg(d_k=5).rope_rule() == "must be even for RoPE (it rotates pairs of dims)" and cfg().rope_rule() is None
+    with pytest.raises(ValueError, match=r"^NSAConfig.d_k=5: must be even for RoPE \(it rotates pairs of dims\)$"):
         NSAAttention(cfg(d_k=5))
 
 

@@ -242,8 +242,8 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
             raise ConfigError(f"model.nsa: {e}") from e
         except ValueError as e:
             raise ConfigError(f"model={cfg.model.name}: {e}") from e
-        if ncfg.d_k % 2:
-            raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: must be even (RoPE rotates pairs of dims)")
+        if ncfg.rope_rule():
+            raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: {ncfg.rope_rule()}")
     # Branch forcing
     branch = cfg.branch_force.name if "branch_force" in cfg else "none"
     if branch not in ("none", *BRANCHES):

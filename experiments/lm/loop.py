@@ -156,8 +156,8 @@ class RunConfig:
                              "autocast; use dtype=float32, or backend=triton on a GPU")
         task = self.stages()[-1][1]  # checks the data node and every stage's
         acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
-        if acfg.d_k % 2:
-            raise ValueError(f"lm.nsa.d_k={acfg.d_k}: must be even (RoPE rotates pairs of dims)")
+        if acfg.rope_rule():
+            raise ValueError(f"lm.nsa.d_k={acfg.d_k}: {acfg.rope_rule()}")
         if self.attention == "nsa" and self.train.eval_batches:
             most = task.seq_len - acfg.n_sel * acfg.l_sel
             if self.train.sel_rows > most:
