@@ -1,5 +1,6 @@
 """Context-parallel NSA (nsa/context_parallel.py) against the single-device computation: real
-``torch.distributed`` process groups (gloo, one process per rank, spawned), float64, the reference backend.
+``torch.distributed`` process groups (gloo, one process per rank, spawned), float64 on the reference
+backend, and float32 on the triton backend (its kernels under the interpreter).
 
 Every rank feeds its part of one sequence (two mirrored chunks) and gets its part of the output; the parts
 put together equal ``nsa.functional.nsa_attention`` over the whole sequence, and so do the gradients of q,
@@ -13,6 +14,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # the triton backend's case: its kernels on CPU tensors, here and in the ranks
 
 import pytest
 import torch
@@ -88,6 +91,35 @@ def test_context_parallel_equals_one_device(tmp_path, world, T, phi):
     assert set(phi_ref) == set(parts[0]["phi"]) and (phi != "mlp" or phi_ref)
     for n, g in phi_ref.items():
         torch.testing.assert_close(sum(p["phi"][n] for p in parts), g, **TOL, msg=n)
+
+
+def _triton_body(rank: int, world: int, T: int, out: str) -> None:
+    cfg, x, _, weight = _problem(T, "avg")
+    part = {n: cp.shard(v.float(), rank, world).requires_grad_() for n, v in x.items()}
+    o = cp.nsa_attention(*(part[n] for n in NAMES), cfg, backend="triton")
+    (o * cp.shard(weight.float(), rank, world)).sum().backward()
+    torch.save({"o": o.detach(), "grads": {n: part[n].grad for n in NAMES}}, f"{out}/{rank}.pt")
+
+
+@pytest.mark.usefixtures("fast_interpreter")
+def test_context_parallel_on_the_triton_backend(tmp_path):
+    """Each rank's branches on the triton kernels (the interpreter, float32) at its q_start: the output equals
+    the kernels on the whole sequence, and the gradients too, to float32 rounding (the all-gather's backward
+    sums the ranks' parts in another order)."""
+    pytest.importorskip("triton")
+    world, T = 2, 40
+    mp.spawn(_rank, args=(_triton_body, world, str(tmp_path / "init"), T, str(tmp_path)), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"{r}.pt") for r in range(world)]
+    cfg, x, _, weight = _problem(T, "avg")
+    full = {n: v.float().clone().requires_grad_() for n, v in x.items()}
+    o = functional.nsa_attention(full["q"], functional.compress(full["k_cmp_raw"], cfg),
+                                 functional.compress(full["v_cmp_raw"], cfg), full["k_sel"], full["v_sel"],
+                                 full["k_win"], full["v_win"], full["gates"], cfg, backend="triton")
+    (o * weight.float()).sum().backward()
+    torch.testing.assert_close(cp.unshard([p["o"] for p in parts]), o.detach(), rtol=0, atol=0)
+    for n in NAMES:
+        torch.testing.assert_close(cp.unshard([p["grads"][n] for p in parts]), full[n].grad, rtol=1e-5, atol=1e-5,
+                                   msg=n)
 
 
 def _layer(T: int):
