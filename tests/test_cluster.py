@@ -1,7 +1,8 @@
 """scripts/cluster.sh's cluster with its real services: the README's sweeps through SLURM into the MLflow
 server (tags, the same results as the basic launcher, a job cancelled mid-sweep then resumed, SIGTERM to
-a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, and 16
-processes writing into the server on PostgreSQL at once (and, for the record, into SQLite).
+a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, 16 processes
+writing into the server on PostgreSQL at once (and, for the record, into SQLite), and `down` stopping
+only what `up` started.
 
 These tests use the cluster that ``scripts/cluster.sh up --fake-gpus 2`` started from this checkout
 (``.ci/run`` does). Without one they skip; a cluster that is up by its state (``.cluster/cluster.env``,
@@ -76,6 +77,55 @@ def test_cluster_is_up_again_at_once_and_bound_to_loopback(cluster):
             if any(f"pid={p}," in ln for p in pids) or ln.split()[3].endswith(f":{mlflow_port}")]
     assert len({addr.rsplit(":", 1)[1] for addr in ours}) == 6, ours  # MariaDB, slurm{dbd,ctld,d}, PostgreSQL, MLflow
     assert all(addr.startswith("127.0.0.1:") for addr in ours), ours
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/PID/stat: the process's start, in clock ticks after boot."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def look_alike(argv0: str) -> subprocess.Popen:
+    """`sleep` whose command line starts with ``argv0`` (one of the cluster's processes, to ps and pgrep -f)."""
+    p = subprocess.Popen(["bash", "-c", f'exec -a "{argv0}" sleep 600'], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(argv0.encode()):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    return p
+
+
+def test_down_stops_only_what_up_started(cluster, tmp_path):
+    """`down` of a state directory whose daemons are gone while processes named like them (`slurmctld`,
+    `python -m mlflow server`) have their pids, as after a crash and pid reuse: its pid files and its
+    records name them, the records with another start time. Meanwhile this cluster runs a job step, which
+    is another cluster's to that directory. The look-alikes and the job are left running; `down` succeeds."""
+    if os.geteuid() != 0:
+        pytest.skip("scripts/cluster.sh down needs root")
+    state = tmp_path / "state"
+    for d in ("slurm", "mlflow", "pids"):
+        (state / d).mkdir(parents=True)
+    (state / "cluster.env").write_text("HOST=127.0.0.1\nPORT=5000\n")  # up by its state: `down` has to look
+    alike = {"slurmctld": look_alike("slurmctld"), "mlflow": look_alike(f"{sys.executable} -m mlflow server")}
+    job = subprocess.run(["sbatch", "--parsable", "-c", "1", "-o", "/dev/null", "--wrap", "sleep 300"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        (state / "slurm" / "slurmctld.pid").write_text(f"{alike['slurmctld'].pid}\n")
+        (state / "mlflow" / "server.pid").write_text(f"{alike['mlflow'].pid}\n")
+        for name, p in alike.items():
+            (state / "pids" / name).write_text(f"{p.pid} {start_time(p.pid) + 1}\n")
+        deadline = time.monotonic() + 60
+        while not subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True).stdout:
+            assert time.monotonic() < deadline, f"job {job} did not start"
+            time.sleep(0.2)
+        r = _cluster_sh("down", "--dir", str(state))
+        assert r.returncode == 0 and "nothing left running" in r.stdout, r.stdout + r.stderr
+        assert {name: p.poll() for name, p in alike.items()} == {"slurmctld": None, "mlflow": None}
+        assert squeue(job) == [job]
+    finally:
+        for p in alike.values():
+            p.kill()
+            p.wait()
+        subprocess.run(["scancel", job], check=False)
 
 
 # ------------------------------------------------------------------ sweeps through SLURM into the server
