@@ -5,7 +5,7 @@
 #   scripts/cluster.sh install              the Debian packages (root; apt-get update first)
 #   scripts/cluster.sh up [options]         start what is not running; the last line is MLFLOW_TRACKING_URI=...
 #   scripts/cluster.sh status [--dir DIR]   what runs; exit 0 when all of it does, 3 when none does
-#   scripts/cluster.sh down [--dir DIR]     stop all of it (jobs cancelled first); fails if anything is left
+#   scripts/cluster.sh down [--dir DIR]     stop what up started (jobs cancelled first); fails if any of it is left
 #   scripts/cluster.sh overhead [N] [--dir DIR]   SLURM's overhead: N trivial jobs one by one, then as one array
 #
 # up options:
@@ -20,10 +20,19 @@
 # What runs (everything on 127.0.0.1 but the MLflow server, which binds --host):
 #   munged (socket in DIR/munge), MariaDB :3307 + slurmdbd :6819 (SLURM's accounting: sacct, which
 #   submitit reads to see a job end), slurmctld :6817, slurmd :6818 (one node, partition `nsa`, this host's
-#   CPUs, memory and GPUs as GRES gpu), PostgreSQL :5433 (database and role `mlflow`, password in DIR),
-#   and `mlflow server` on PostgreSQL with artifacts proxied into DIR/artifacts.
+#   CPUs, memory and GPUs as GRES gpu), PostgreSQL :5433 (role `mlflow`, databases `mlflow` and
+#   `mlflow_auth`), and `mlflow server` on PostgreSQL with MLflow's basic-auth app and artifacts proxied
+#   into DIR/artifacts (0700).
+# The MLflow server refuses requests without a login: user `admin`, password generated into
+#   DIR/mlflow-admin.password; DIR/mlflow/credentials holds both in the format of MLflow's credentials
+#   file, and ~/.mlflow/credentials (where MLflow's client looks) links to it while the cluster is up (only
+#   where that path is free or already such a link; else set MLFLOW_TRACKING_USERNAME/PASSWORD).
+#   Non-admin users get READ on what others logged (default_permission). Every password is in a 0600
+#   file of DIR and reaches the databases through stdin or a file, never a command line.
 # The SLURM clients (sbatch, squeue, sacct) find the cluster through /etc/slurm/slurm.conf, a link to
 # DIR/slurm/slurm.conf made while the cluster is up (only where that path is free or already such a link).
+# `up` records each daemon's pid and start time (DIR/pids); `down` stops only processes whose start time
+# still matches, and fails only on those and on this cluster's job steps (slurmstepd of its slurmd).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -72,12 +81,12 @@ export SLURM_CONF=$SLURM_CONF_FILE
 
 # The settings of the last `up` (host, port, workers, python, fake GPUs) are kept in DIR/cluster.env, so
 # that status/down/up-again see the cluster as it was started.
-saved() { [ -f "$SETTINGS" ] && sed -n "s/^$1=//p" "$SETTINGS" | tail -1; }
+saved() { [ ! -f "$SETTINGS" ] || sed -n "s/^$1=//p" "$SETTINGS" | tail -1; }
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
 port_busy() { ss -Hltn "sport = :$1" | grep -q .; }
 
-# name -> pid file
+# name -> the pid file the daemon writes itself (the MLflow server's pid is the one `up` started)
 declare -A PIDFILE=(
     [munged]=$DIR/munge/munged.pid
     [mariadbd]=$DIR/mariadb/mariadbd.pid
@@ -85,24 +94,46 @@ declare -A PIDFILE=(
     [slurmctld]=$DIR/slurm/slurmctld.pid
     [slurmd]=$DIR/slurm/slurmd.pid
     [postgres]=$DIR/postgres/data/postmaster.pid
-    [mlflow]=$DIR/mlflow/server.pid
 )
 SERVICES=(munged mariadbd slurmdbd slurmctld slurmd postgres mlflow)
+RECORDS=$DIR/pids
+MLFLOW_ADMIN=admin
+CREDENTIALS=$DIR/mlflow/credentials
+HOME_CREDENTIALS=${HOME:+$HOME/.mlflow/credentials}
 
-pid_of() {  # postmaster.pid holds the pid on its first line
-    [ -f "${PIDFILE[$1]}" ] && head -1 "${PIDFILE[$1]}"
-}
-running() {  # the pid file's process is alive and is that service (not a stale file's reused pid)
-    local p cmd
-    p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && kill -0 "$p" 2>/dev/null || return 1
-    cmd=$(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null) || return 1
-    [[ "$cmd" == *"${1/mlflow/mlflow server}"* ]]
+start_time() {  # start_time PID: field 22 of /proc/PID/stat (clock ticks after boot); fails for no process or a zombie
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }  # the fields after "(comm)", which may itself hold spaces or parentheses
+    # shellcheck disable=SC2086  # split into fields on purpose
+    set -- $stat
+    [ "$1" != Z ] && [ -n "${20:-}" ] || return 1
+    echo "${20}"
 }
 
-alive() {  # the pid file's process exists and has not exited: a service just started counts before it
-    # has exec'd (its command line is still this script's, which `running` would not take for it)
-    local p; p=$(pid_of "$1" 2>/dev/null) && [ -n "$p" ] && [ -r "/proc/$p/stat" ] || return 1
-    [ "$(sed 's/.*) //' "/proc/$p/stat" | cut -d' ' -f1)" != Z ]
+record() {  # record NAME PID [COMM]: NAME is process PID, started by this script (its comm checked if given)
+    local st
+    st=$(start_time "$2") || die "$1 (pid $2) exited (logs in $DIR)"
+    if [ -n "${3:-}" ] && [ "$(cat "/proc/$2/comm" 2>/dev/null)" != "$3" ]; then
+        die "$1: pid $2 from its pid file is not $3 (logs in $DIR)"
+    fi
+    install -d -m 700 "$RECORDS"
+    echo "$2 $st" > "$RECORDS/$1"
+}
+
+pid_of() {  # the recorded pid of NAME
+    local p _st
+    { read -r p _st < "$RECORDS/$1"; } 2>/dev/null && [ -n "$p" ] && echo "$p"
+}
+running() {  # NAME's recorded process is alive with its recorded start time (not a reused pid)
+    local p st
+    { read -r p st < "$RECORDS/$1"; } 2>/dev/null && [ -n "$p" ] || return 1
+    [ "$(start_time "$p")" = "$st" ]
+}
+record_from_pidfile() {  # record_from_pidfile NAME COMM: the daemon's own pid file (first line) names it
+    local p
+    p=$(head -1 "${PIDFILE[$1]}" 2>/dev/null) && [ -n "$p" ] || die "$1 wrote no pid file ${PIDFILE[$1]}"
+    record "$1" "$p" "$2"
 }
 
 wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2 s (and stop if SERVICE exits)
@@ -110,7 +141,7 @@ wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2
     [ "$1" = --pid ] && { service=$2; shift 2; }
     local end=$((SECONDS + t))
     until "$@" >/dev/null 2>&1; do
-        [ -z "$service" ] || alive "$service" || die "$what exited (logs in $DIR)"
+        [ -z "$service" ] || running "$service" || die "$what exited (logs in $DIR)"
         [ $SECONDS -lt $end ] || die "$what did not come up within ${t}s (logs in $DIR)"
         sleep 0.2
     done
@@ -118,6 +149,7 @@ wait_for() {  # wait_for SECONDS WHAT [--pid SERVICE] COMMAND...: poll every 0.2
 
 secret() {  # secret FILE: a random password kept in FILE (0600)
     [ -s "$1" ] || (umask 077 && head -c 24 /dev/urandom | base64 | tr -d '/+=' > "$1")
+    chmod 600 "$1"
     cat "$1"
 }
 
@@ -133,9 +165,12 @@ start_munge() {
         --seed-file="$DIR/munge/private/munged.seed" \
         || die "munged failed: $(tail -2 "$DIR/munge/private/munged.log" 2>/dev/null)"
     wait_for 10 munged test -S "$DIR/munge/munge.socket.2"
+    record_from_pidfile munged munged
 }
 
-mariadb_sql() { mariadb --no-defaults --socket="$DIR/mariadb/mysqld.sock" -u root -e "$1"; }
+# SQL on stdin (a here-document: never an argument, so a password in it is not on a command line)
+mariadb_sql() { mariadb --no-defaults --socket="$DIR/mariadb/mysqld.sock" -u root --batch; }
+mariadb_ping() { echo "SELECT 1" | mariadb_sql; }
 
 start_mariadb() {
     running mariadbd && return
@@ -151,11 +186,18 @@ start_mariadb() {
         --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
         --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
         --log-error="$DIR/mariadb/error.log" < /dev/null > /dev/null 2>&1 &
-    wait_for 60 MariaDB test -S "$DIR/mariadb/mysqld.sock"
-    wait_for 30 MariaDB mariadb_sql "SELECT 1"
+    record mariadbd $!  # setsid execs mariadbd in this process: $! is mariadbd
+    wait_for 60 MariaDB --pid mariadbd test -S "$DIR/mariadb/mysqld.sock"
+    wait_for 30 MariaDB --pid mariadbd mariadb_ping
+}
+
+provision_mariadb() {  # SLURM's accounting user, its password that of DIR/slurm/db.password (set on every up)
     local pw; pw=$(secret "$DIR/slurm/db.password")
-    mariadb_sql "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
-                 GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+    mariadb_sql <<EOF
+CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
+ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+EOF
 }
 
 write_slurm_conf() {
@@ -261,26 +303,33 @@ start_slurm() {
     running slurmctld || write_slurm_conf
     link_etc_slurm_conf
     start_mariadb
+    provision_mariadb
     if ! running slurmdbd; then
         port_busy "$DBD_PORT" && die "port $DBD_PORT (slurmdbd) is taken by another program"
         slurmdbd || die "slurmdbd failed: $(tail -3 "$DIR/slurm/log/slurmdbd.log" 2>/dev/null)"
         wait_for 60 slurmdbd port_busy "$DBD_PORT"
+        record_from_pidfile slurmdbd slurmdbd
     fi
     if ! running slurmctld; then
         port_busy "$CTLD_PORT" && die "port $CTLD_PORT (slurmctld) is taken by another program"
         slurmctld -f "$SLURM_CONF_FILE" || die "slurmctld failed: $(tail -3 "$DIR/slurm/log/slurmctld.log" 2>/dev/null)"
         wait_for 60 slurmctld scontrol ping
+        record_from_pidfile slurmctld slurmctld
     fi
+    local new_slurmd=0
     if ! running slurmd; then
         port_busy "$SLURMD_PORT" && die "port $SLURMD_PORT (slurmd) is taken by another program"
         slurmd -f "$SLURM_CONF_FILE" || die "slurmd failed: $(tail -3 "$DIR/slurm/log/slurmd.log" 2>/dev/null)"
+        new_slurmd=1
     fi
     wait_for 60 "the SLURM node" node_ready
+    [ "$new_slurmd" = 0 ] || record_from_pidfile slurmd slurmd
 }
 
 node_ready() { sinfo -h -N -o '%T' | grep -q -E '^(idle|mixed|allocated)'; }
 
 pg() { runuser -u postgres -- "$(pg_bin)/$1" "${@:2}"; }
+# SQL on stdin, as for MariaDB
 psql_admin() { runuser -u postgres -- psql -X -q -h "$DIR/postgres" -p "$PG_PORT" -d postgres -v ON_ERROR_STOP=1 "$@"; }
 
 start_postgres() {
@@ -294,69 +343,159 @@ start_postgres() {
     pg pg_ctl -D "$DIR/postgres/data" -l "$DIR/postgres/postgres.log" -w -t 60 \
         -o "-c listen_addresses=127.0.0.1 -p $PG_PORT -k $DIR/postgres -c max_connections=200" start > /dev/null \
         || die "PostgreSQL failed: $(tail -3 "$DIR/postgres/postgres.log")"
+    record_from_pidfile postgres postgres
+}
+
+provision_postgres() {  # role mlflow (password of DIR/mlflow.pgpassword, set on every up), its two databases:
+    # the tracking store and the basic-auth app's users and permissions
     local pw; pw=$(secret "$DIR/mlflow.pgpassword")
-    if [ "$(psql_admin -tA -c "SELECT 1 FROM pg_roles WHERE rolname = 'mlflow'")" != 1 ]; then
-        psql_admin -c "CREATE ROLE mlflow LOGIN PASSWORD '$pw'"
-        psql_admin -c "CREATE DATABASE mlflow OWNER mlflow"
+    psql_admin <<EOF
+SELECT 'CREATE ROLE mlflow LOGIN' WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'mlflow') \gexec
+ALTER ROLE mlflow LOGIN PASSWORD '$pw';
+SELECT 'CREATE DATABASE mlflow OWNER mlflow' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'mlflow') \gexec
+SELECT 'CREATE DATABASE mlflow_auth OWNER mlflow' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'mlflow_auth') \gexec
+EOF
+}
+
+write_mlflow_files() {  # the server's and its clients' secrets, each 0600 in DIR/mlflow (0700)
+    install -d -m 700 "$DIR/mlflow"
+    local admin_pw; admin_pw=$(secret "$DIR/mlflow-admin.password")
+    secret "$DIR/mlflow/flask.secret" > /dev/null
+    (
+        umask 077
+        echo "127.0.0.1:$PG_PORT:*:mlflow:$(cat "$DIR/mlflow.pgpassword")" > "$DIR/mlflow/pgpass"
+        # MLflow's basic-auth app (mlflow/server/auth/basic_auth.ini): users and permissions in PostgreSQL;
+        # the admin is created with this password on the first start (later starts keep the stored one).
+        # A user other than the admin reads every experiment and run and changes only its own.
+        # A login checked is remembered for 60 s by each worker: the check (PBKDF2, 10^6 rounds) costs
+        # ~0.6 s of CPU here, on every request otherwise; a password changed or a user deleted through
+        # the API may still be let in by another worker for up to that long.
+        cat > "$DIR/mlflow/basic_auth.ini" <<EOF
+[mlflow]
+default_permission = READ
+database_uri = postgresql+psycopg://mlflow@127.0.0.1:$PG_PORT/mlflow_auth
+admin_username = $MLFLOW_ADMIN
+admin_password = $admin_pw
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 60
+EOF
+        cat > "$CREDENTIALS" <<EOF
+# written by scripts/cluster.sh: the login to the MLflow server of $DIR, in the format of MLflow's
+# credentials file (~/.mlflow/credentials); MLFLOW_TRACKING_USERNAME/PASSWORD take precedence over it
+[mlflow]
+mlflow_tracking_username = $MLFLOW_ADMIN
+mlflow_tracking_password = $admin_pw
+EOF
+    )
+    chmod 600 "$DIR/mlflow/pgpass" "$DIR/mlflow/basic_auth.ini" "$CREDENTIALS"
+}
+
+credentials_linked() {
+    [ -n "$HOME_CREDENTIALS" ] && [ -L "$HOME_CREDENTIALS" ] && [ "$(readlink "$HOME_CREDENTIALS")" = "$CREDENTIALS" ]
+}
+
+link_credentials() {  # ~/.mlflow/credentials -> DIR/mlflow/credentials, where that path is free, a dangling
+    # link or a link to another state directory's file; a user's own file or link is left as it is
+    [ -n "$HOME_CREDENTIALS" ] && ! credentials_linked || return 0
+    if [ -L "$HOME_CREDENTIALS" ]; then
+        local target; target=$(readlink "$HOME_CREDENTIALS")
+        [ ! -e "$target" ] || head -1 "$target" 2>/dev/null | grep -q "^# written by scripts/cluster.sh" || return 0
+    elif [ -e "$HOME_CREDENTIALS" ]; then
+        return 0
     fi
+    [ -d "$(dirname "$HOME_CREDENTIALS")" ] || (umask 077 && mkdir -p "$(dirname "$HOME_CREDENTIALS")")
+    ln -sfn "$CREDENTIALS" "$HOME_CREDENTIALS"
+}
+
+mlflow_login_ok() {  # the admin's login is accepted (curl reads it from stdin, not from its command line)
+    printf 'user = "%s:%s"\n' "$MLFLOW_ADMIN" "$(cat "$DIR/mlflow-admin.password")" \
+        | curl -sf -m 10 -K - -o /dev/null "http://$(uri_host):$PORT/api/2.0/mlflow/experiments/search?max_results=1"
 }
 
 start_mlflow() {
-    running mlflow && return
-    port_busy "$PORT" && die "port $PORT (MLflow server) is taken by another program: --port N"
-    "$PY" -c "import mlflow, psycopg" 2>/dev/null \
-        || die "$PY cannot import mlflow and psycopg: pip install -e \".[cluster]\" (or --python PY)"
-    install -d -m 700 "$DIR/mlflow"
-    install -d "$DIR/artifacts"
-    (umask 077 && echo "127.0.0.1:$PG_PORT:mlflow:mlflow:$(cat "$DIR/mlflow.pgpassword")" > "$DIR/mlflow/pgpass")
-    # The password reaches libpq through PGPASSFILE, not the command line (ps shows that). Telemetry off:
-    # a cluster's server has no business calling out (see the README's MLflow part). No job execution:
-    # MLflow's server-side GenAI jobs (scorers, trace roll-ups) would add 7 worker processes (~0.8 GB).
-    PGPASSFILE=$DIR/mlflow/pgpass MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
-        setsid "$PY" -m mlflow server \
-        --backend-store-uri "postgresql+psycopg://mlflow@127.0.0.1:$PG_PORT/mlflow" \
-        --artifacts-destination "$DIR/artifacts" --serve-artifacts \
-        --host "$HOST" --port "$PORT" --workers "$WORKERS" \
-        < /dev/null > "$DIR/mlflow/server.log" 2>&1 &
-    echo $! > "${PIDFILE[mlflow]}"
-    wait_for 120 "the MLflow server" --pid mlflow curl -sf -m 2 "http://$(uri_host):$PORT/health" \
-        || die "the MLflow server did not start: $(tail -3 "$DIR/mlflow/server.log")"
+    write_mlflow_files
+    install -d -m 700 "$DIR/artifacts"
+    chmod 700 "$DIR/artifacts"  # every run's artifacts: the server's (root's) alone
+    if ! running mlflow; then
+        port_busy "$PORT" && die "port $PORT (MLflow server) is taken by another program: --port N"
+        "$PY" -c "import mlflow, psycopg, flask_wtf" 2>/dev/null \
+            || die "$PY cannot import mlflow, psycopg and flask_wtf: pip install -e \".[cluster]\" (or --python PY)"
+        # The secrets reach the server through files and its environment, not its command line (ps shows
+        # that): libpq reads PGPASSFILE, the auth app MLFLOW_AUTH_CONFIG_PATH, and Flask's CSRF key is
+        # MLFLOW_FLASK_SERVER_SECRET_KEY. Telemetry off: a cluster's server has no business calling out
+        # (see the README's MLflow part). No job execution: MLflow's server-side GenAI jobs (scorers,
+        # trace roll-ups) would add 7 worker processes (~0.8 GB).
+        PGPASSFILE=$DIR/mlflow/pgpass MLFLOW_AUTH_CONFIG_PATH=$DIR/mlflow/basic_auth.ini \
+            MLFLOW_FLASK_SERVER_SECRET_KEY=$(cat "$DIR/mlflow/flask.secret") \
+            MLFLOW_DISABLE_TELEMETRY=true MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
+            setsid "$PY" -m mlflow server --app-name basic-auth \
+            --backend-store-uri "postgresql+psycopg://mlflow@127.0.0.1:$PG_PORT/mlflow" \
+            --artifacts-destination "$DIR/artifacts" --serve-artifacts \
+            --host "$HOST" --port "$PORT" --workers "$WORKERS" \
+            < /dev/null > "$DIR/mlflow/server.log" 2>&1 &
+        record mlflow $!  # setsid execs the server in this process
+        wait_for 120 "the MLflow server" --pid mlflow curl -sf -m 2 "http://$(uri_host):$PORT/health"
+    fi
+    mlflow_login_ok || die "the MLflow server refuses user $MLFLOW_ADMIN with the password in" \
+        "$DIR/mlflow-admin.password (its users are in PostgreSQL's database mlflow_auth)"
+    link_credentials
 }
 
 uri_host() { [ "$HOST" = 0.0.0.0 ] && echo 127.0.0.1 || echo "$HOST"; }
 
 # ---------------------------------------------------------------- stopping
-stop() {  # stop NAME...: SIGTERM to each (for mlflow its process group), wait up to 60 s, then SIGKILL
-    local name p targets=()
+stop() {  # stop NAME...: SIGTERM to each recorded process (for mlflow its process group: the server and
+    # its workers), wait up to 60 s, then SIGKILL what is still that process (or, for mlflow, that group)
+    local name p names=()
     for name in "$@"; do
         running "$name" || continue
         p=$(pid_of "$name")
         [ "$name" = mlflow ] && p=-$p
         kill -TERM -- "$p" 2>/dev/null || true
-        targets+=("$p")
+        names+=("$name")
     done
-    local end=$((SECONDS + 60)) t
-    for t in "${targets[@]}"; do
-        while kill -0 -- "$t" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.1; done
-        if kill -0 -- "$t" 2>/dev/null; then
-            say "pid ${t#-} did not stop within 60s: SIGKILL"
-            kill -KILL -- "$t" 2>/dev/null || true
+    local end=$((SECONDS + 60))
+    for name in "${names[@]}"; do
+        while still_up "$name" && [ $SECONDS -lt $end ]; do sleep 0.1; done
+        if still_up "$name"; then
+            say "$name did not stop within 60s: SIGKILL"
+            p=$(pid_of "$name")
+            [ "$name" = mlflow ] && p=-$p
+            kill -KILL -- "$p" 2>/dev/null || true
         fi
     done
 }
+still_up() {  # the recorded process; for mlflow also its workers once it is gone: its process group
+    # outlives it, and its pid is not given to another process while that group has members
+    running "$1" && return 0
+    local p
+    [ "$1" = mlflow ] && p=$(pid_of mlflow) || return 1
+    ! start_time "$p" > /dev/null && kill -0 -- "-$p" 2>/dev/null
+}
+
+job_steps() {  # this cluster's job steps: slurmstepd processes that our slurmd started (its SLURM_CONF,
+    # inherited; another cluster's slurmd has its own or none)
+    local p
+    for p in $(pgrep -x slurmstepd || true); do
+        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF_FILE" && echo "$p"
+    done
+    return 0
+}
 
 cmd_down() {
-    local t0=$SECONDS
+    local t0=$SECONDS end
     if running slurmctld; then
-        local jobs; jobs=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ')
+        local jobs; jobs=$(squeue -h -o %A 2>/dev/null | sort -u | tr '\n' ' ' || true)
         if [ -n "${jobs// /}" ]; then
             say "cancelling jobs $jobs"
             # shellcheck disable=SC2086
             scancel $jobs 2>/dev/null || true
-            local end=$((SECONDS + 60))
+            end=$((SECONDS + 60))
             while [ -n "$(squeue -h 2>/dev/null)" ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
         fi
     fi
+    end=$((SECONDS + 10))  # a cancelled job's step ends shortly after squeue no longer lists it
+    while [ -n "$(job_steps)" ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
     # In three waves, each stopped at once: the clients of a service go before it.
     stop mlflow slurmd slurmctld
     stop postgres slurmdbd  # postgres: SIGTERM is its "smart" shutdown; no client is left
@@ -364,10 +503,11 @@ cmd_down() {
     if [ -L "$ETC_SLURM_CONF" ] && [ "$(readlink "$ETC_SLURM_CONF")" = "$SLURM_CONF_FILE" ]; then
         rm -f "$ETC_SLURM_CONF"
     fi
+    credentials_linked && rm -f "$HOME_CREDENTIALS"
     local left=() s
-    for s in "${SERVICES[@]}"; do running "$s" && left+=("$s($(pid_of "$s"))"); done
-    local steps; steps=$(pgrep -x slurmstepd | tr '\n' ' ' || true)
-    [ -n "$steps" ] && left+=("slurmstepd($steps)")
+    for s in "${SERVICES[@]}"; do still_up "$s" && left+=("$s($(pid_of "$s"))"); done
+    local steps; steps=$(job_steps | tr '\n' ' ')
+    [ -n "${steps// /}" ] && left+=("slurmstepd(${steps% })")
     if [ ${#left[@]} -gt 0 ]; then
         echo "cluster: still running after down: ${left[*]}" >&2
         exit 1
@@ -385,6 +525,12 @@ cmd_status() {
     if [ "$n" -eq "${#SERVICES[@]}" ]; then
         sinfo -h -N -o 'cluster: node %N %T, cpus %c, gres %G, partition %P' 2>/dev/null || true
         echo "SLURM_CONF=$SLURM_CONF_FILE"
+        if credentials_linked; then
+            say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS (MLflow's credentials file), which $HOME_CREDENTIALS links to"
+        else
+            say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS (MLflow's credentials file; ${HOME_CREDENTIALS:-~/.mlflow/credentials}" \
+                "is another): set MLFLOW_TRACKING_USERNAME=$MLFLOW_ADMIN and MLFLOW_TRACKING_PASSWORD from $DIR/mlflow-admin.password"
+        fi
         echo "MLFLOW_TRACKING_URI=http://$(uri_host):$PORT"
         return 0
     fi
@@ -450,7 +596,7 @@ case "$CMD" in
         PY=$(command -v "$PY" || echo "$PY")
         printf 'HOST=%s\nPORT=%s\nWORKERS=%s\nPY=%s\nFAKE_GPUS=%s\n' "$HOST" "$PORT" "$WORKERS" "$PY" "$FAKE_GPUS" > "$SETTINGS"
         t=$SECONDS; start_munge; start_slurm; t_slurm=$((SECONDS - t))
-        t=$SECONDS; start_postgres; t_pg=$((SECONDS - t))
+        t=$SECONDS; start_postgres; provision_postgres; t_pg=$((SECONDS - t))
         t=$SECONDS; start_mlflow; t_mlflow=$((SECONDS - t))
         say "up in $((SECONDS - t0))s (munge+SLURM ${t_slurm}s, PostgreSQL ${t_pg}s, MLflow ${t_mlflow}s); state in $DIR"
         cmd_status | grep -v -E '^cluster: .* running'

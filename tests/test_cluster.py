@@ -1,22 +1,29 @@
 """scripts/cluster.sh's cluster with its real services: the README's sweeps through SLURM into the MLflow
 server (tags, the same results as the basic launcher, a job cancelled mid-sweep then resumed, SIGTERM to
-a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, and 16
-processes writing into the server on PostgreSQL at once (and, for the record, into SQLite).
+a sweep, one GPU per job on fake GPUs, a GPU sweep from a host without GPUs), the CPU cap, 16 processes
+writing into the server on PostgreSQL at once (and, for the record, into SQLite), the server's login,
+the secrets kept off command lines and from other users, and `down` stopping only what `up` started.
 
 These tests use the cluster that ``scripts/cluster.sh up --fake-gpus 2`` started from this checkout
 (``.ci/run`` does). Without one they skip; a cluster that is up by its state (``.cluster/cluster.env``,
-which ``down`` removes) but whose services are not all running fails them.
+which ``down`` removes) but whose services are not all running fails them. Every MLflow client here logs
+in as the cluster's admin (MLFLOW_TRACKING_USERNAME/PASSWORD from ``.cluster/mlflow/credentials``).
 """
 from __future__ import annotations
 
+import base64
+import configparser
 import json
 import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,22 +33,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_SH = ROOT / "scripts" / "cluster.sh"
 STATE = ROOT / ".cluster"
+CREDENTIALS = STATE / "mlflow" / "credentials"  # the MLflow admin's login, in MLflow's credentials-file format
 
 
 def _cluster_sh(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=timeout)
 
 
+def credentials() -> tuple[str, str]:
+    """The MLflow server's admin login (user, password) from the state directory's credentials file."""
+    cp = configparser.ConfigParser()
+    assert cp.read(CREDENTIALS), f"no {CREDENTIALS}"
+    return cp["mlflow"]["mlflow_tracking_username"], cp["mlflow"]["mlflow_tracking_password"]
+
+
 @pytest.fixture(scope="module")
-def cluster() -> dict[str, str]:
-    """The running cluster's SLURM_CONF and MLFLOW_TRACKING_URI (from `scripts/cluster.sh status`)."""
+def cluster():
+    """The running cluster's SLURM_CONF and MLFLOW_TRACKING_URI (from `scripts/cluster.sh status`); for the
+    module, MLflow's clients here and in the processes started from here (sweeps, SLURM jobs) log in."""
     if not (STATE / "cluster.env").exists():
         pytest.skip("no cluster from this checkout (scripts/cluster.sh up --fake-gpus 2)")
     st = _cluster_sh("status")
     assert st.returncode == 0, f"the cluster in {STATE} was set up but is not running:\n{st.stdout}{st.stderr}"
     found = dict(ln.split("=", 1) for ln in st.stdout.splitlines() if ln.startswith(("SLURM_CONF=", "MLFLOW_TRACKING_URI=")))
     assert set(found) == {"SLURM_CONF", "MLFLOW_TRACKING_URI"}, st.stdout
-    return found
+    user, password = credentials()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_USERNAME", user)
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        yield found
 
 
 # ------------------------------------------------------------------ cluster.sh's own checks
@@ -77,6 +97,150 @@ def test_cluster_is_up_again_at_once_and_bound_to_loopback(cluster):
             if any(f"pid={p}," in ln for p in pids) or ln.split()[3].endswith(f":{mlflow_port}")]
     assert len({addr.rsplit(":", 1)[1] for addr in ours}) == 6, ours  # MariaDB, slurm{dbd,ctld,d}, PostgreSQL, MLflow
     assert all(addr.startswith("127.0.0.1:") for addr in ours), ours
+
+
+# ------------------------------------------------------------------ the server's login, the secrets, `down`
+
+SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
+ARTIFACTS = "/api/2.0/mlflow-artifacts/artifacts"  # the artifacts the server proxies: a listing of their root
+SECRETS = ("mlflow-admin.password", "mlflow.pgpassword", "slurm/db.password", "mlflow/flask.secret")
+
+
+def http_status(url: str, login: tuple[str, str] | None = None) -> int:
+    """The HTTP status of a GET of ``url``, with HTTP basic authentication where ``login`` is given."""
+    req = urllib.request.Request(url)
+    if login:
+        req.add_header("Authorization", "Basic " + base64.b64encode(":".join(login).encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_server_refuses_requests_without_the_admins_login(cluster):
+    """MLflow's basic-auth app is on: a REST request without a login, with a wrong password or as an
+    unknown user is refused (401), for the tracking API and the proxied artifacts alike; the admin's
+    login from the credentials file is accepted."""
+    uri = cluster["MLFLOW_TRACKING_URI"]
+    user, password = credentials()
+    assert password == (STATE / "mlflow-admin.password").read_text().strip()
+    for path in (SEARCH, ARTIFACTS):
+        assert http_status(uri + path) == 401, path
+        assert http_status(uri + path, (user, password + "x")) == 401, path
+        assert http_status(uri + path, ("nobody", password)) == 401, path
+        assert http_status(uri + path, (user, password)) == 200, path
+
+
+def test_secrets_and_artifacts_are_their_owners_alone(cluster):
+    """Every file that holds a password is 0600; the artifacts folder (every run's files) is closed to
+    other users."""
+    for name in (*SECRETS, "mlflow/credentials", "mlflow/basic_auth.ini", "mlflow/pgpass", "slurm/slurmdbd.conf"):
+        assert stat.S_IMODE((STATE / name).stat().st_mode) == 0o600, name
+    assert stat.S_IMODE((STATE / "artifacts").stat().st_mode) & 0o077 == 0, oct((STATE / "artifacts").stat().st_mode)
+
+
+def test_mlflow_clients_log_in_through_mlflows_credentials_file(cluster, tmp_path):
+    """While the cluster is up, ~/.mlflow/credentials (where MLflow's client looks for a login) links to
+    the state directory's credentials file, so the README's commands log in as written: a client without
+    MLFLOW_TRACKING_USERNAME/PASSWORD is let in; the same client with another home (no such file) is
+    refused (401)."""
+    home_file = Path.home() / ".mlflow" / "credentials"
+    if home_file.exists() and not home_file.is_symlink():
+        pytest.skip(f"{home_file} is this user's own file, which `up` leaves alone")
+    assert home_file.is_symlink() and home_file.resolve() == CREDENTIALS.resolve(), home_file
+    client = "import sys, mlflow; mlflow.MlflowClient(sys.argv[1]).search_experiments(max_results=1)"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+    env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+    cmd = [sys.executable, "-c", client, cluster["MLFLOW_TRACKING_URI"]]
+    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    refused = subprocess.run(cmd, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "401" in refused.stderr, refused.stderr[-2000:]
+
+
+LOGGED = ("mariadb", "psql", "runuser", "curl")  # what cluster.sh gives SQL or a login
+
+
+def test_no_password_on_any_command_line(cluster, tmp_path):
+    """`up` again (it sets the database users' passwords again and checks the admin's login) with a PATH
+    where the commands that get SQL or a login log their arguments first: none holds a password (every
+    user sees every process's arguments in ps); nor does any process's command line while the cluster runs."""
+    secrets = {name: (STATE / name).read_text().strip() for name in SECRETS}
+    assert all(len(v) >= 20 for v in secrets.values()), secrets.keys()
+    log, shims = tmp_path / "argv.log", tmp_path / "bin"
+    shims.mkdir()
+    for cmd in LOGGED:  # psql runs as postgres, which cannot enter tmp_path: runuser's arguments show its own
+        (shims / cmd).write_text(f'#!/bin/sh\nprintf "%s\\n" "$0 $*" >> {log} 2>/dev/null\n'
+                                 f'PATH={shlex.quote(os.environ["PATH"])} exec {cmd} "$@"\n')
+        (shims / cmd).chmod(0o755)
+    r = subprocess.run(["bash", str(CLUSTER_SH), "up"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    argv = log.read_text().splitlines()
+    assert any(ln.startswith(f"{shims}/mariadb ") for ln in argv), argv  # the SLURM user's password was set
+    assert any(" -- psql " in ln for ln in argv if ln.startswith(f"{shims}/runuser ")), argv  # and mlflow's
+    assert any(ln.startswith(f"{shims}/curl ") and SEARCH in ln for ln in argv), argv  # the login was checked
+
+    def leaks(text: str) -> list[str]:
+        return [name for name, pw in secrets.items() if pw in text]
+
+    assert not [(ln.split()[0], leaks(ln)) for ln in argv if leaks(ln)]
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = f.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # a process that ended meanwhile
+            continue
+        assert not leaks(text), (f, text.split()[:1], leaks(text))
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/PID/stat: the process's start, in clock ticks after boot."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def look_alike(argv0: str) -> subprocess.Popen:
+    """`sleep` whose command line starts with ``argv0`` (one of the cluster's processes, to ps and pgrep -f)."""
+    p = subprocess.Popen(["bash", "-c", f'exec -a "{argv0}" sleep 600'], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(argv0.encode()):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    return p
+
+
+def test_down_stops_only_what_up_started(cluster, tmp_path):
+    """`down` of a state directory whose daemons are gone while processes named like them (`slurmctld`,
+    `python -m mlflow server`) have their pids, as after a crash and pid reuse: its pid files and its
+    records name them, the records with another start time. Meanwhile this cluster runs a job step, which
+    is another cluster's to that directory. The look-alikes and the job are left running; `down` succeeds."""
+    if os.geteuid() != 0:
+        pytest.skip("scripts/cluster.sh down needs root")
+    state = tmp_path / "state"
+    for d in ("slurm", "mlflow", "pids"):
+        (state / d).mkdir(parents=True)
+    (state / "cluster.env").write_text("HOST=127.0.0.1\nPORT=5000\n")  # up by its state: `down` has to look
+    alike = {"slurmctld": look_alike("slurmctld"), "mlflow": look_alike(f"{sys.executable} -m mlflow server")}
+    job = subprocess.run(["sbatch", "--parsable", "-c", "1", "-o", "/dev/null", "--wrap", "sleep 300"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        (state / "slurm" / "slurmctld.pid").write_text(f"{alike['slurmctld'].pid}\n")
+        (state / "mlflow" / "server.pid").write_text(f"{alike['mlflow'].pid}\n")
+        for name, p in alike.items():
+            (state / "pids" / name).write_text(f"{p.pid} {start_time(p.pid) + 1}\n")
+        deadline = time.monotonic() + 60
+        while not subprocess.run(["pgrep", "-x", "slurmstepd"], capture_output=True).stdout:
+            assert time.monotonic() < deadline, f"job {job} did not start"
+            time.sleep(0.2)
+        r = _cluster_sh("down", "--dir", str(state))
+        assert r.returncode == 0 and "nothing left running" in r.stdout, r.stdout + r.stderr
+        assert {name: p.poll() for name, p in alike.items()} == {"slurmctld": None, "mlflow": None}
+        assert squeue(job) == [job]
+    finally:
+        for p in alike.values():
+            p.kill()
+            p.wait()
+        subprocess.run(["scancel", job], check=False)
 
 
 # ------------------------------------------------------------------ sweeps through SLURM into the server
