@@ -7,8 +7,9 @@ are exactly the output without it; rows that see it are non-finite. (+Inf keys: 
 so q.k = +Inf and the softmax is NaN, as it would be without the masking.) Gradients of the rows that cannot
 see it (alone in the graph) are those of the clean run.
 
-Triton backend under the interpreter in float32 (tiny tiles): rows in query tiles before u's tile are finite
-and equal to the clean run; the rows that see the value are non-finite.
+Triton backend under the interpreter in float32 (tiny tiles, TMA descriptor loads and pointer loads): rows in
+query tiles before the first one holding a row that sees the value (window: and after the last one) are finite
+and equal to the clean run; the rows that see it are non-finite.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from conftest import ARG_ORDER, random_inputs  # noqa: E402
 
 from nsa import NSAAttention, NSAConfig, reference  # noqa: E402
 from nsa import functional as fn  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter warns of the NaN it computes
 
 F64 = torch.float64
 BAD = {"nan": float("nan"), "inf": float("inf")}
@@ -203,3 +206,124 @@ def test_module_bad_input_token(bad, phi):
     check_rows(y1[:, :, None], y0[:, :, None], rows_from(u), "prefill")
     torch.testing.assert_close(y_dec[:, :u], y1[:, :u], rtol=0, atol=1e-10)
     assert (~torch.isfinite(y_dec[:, u:])).any(-1).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton backend under the interpreter, float32: rows in query tiles before u's tile are the clean run's
+# ------------------------------------------------------------------------------------------------
+def _triton():
+    """The triton modules, or a skip where they cannot run here."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs on CPU tensors under TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    from nsa.backends import triton as tb
+    if tb.triton_unsupported() is not None:
+        pytest.skip(tb.triton_unsupported())
+    return tb
+
+
+# T = 64; compressed token i seen from t = 4i + 7 (Tc = 15); blocks of 8; window 16. G = 2: query tiles of
+# rows // 2 = 8 positions (compressed, window), key tiles of 16 keys, so a query tile's last key tile
+# reaches past its rows.
+TCFG = NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=16, d_v=16, l=8, d=4, l_sel=8, n_sel=4, w=16, n_init=1,
+                 n_local=2)
+TT = 64
+SMALL = {"compressed": dict(rows=16, block_n=16, lse_n=32, warps=4, stages=1),
+         "window": dict(rows=16, block_n=16, warps=4, stages=1)}
+BLOCK_M = 8
+KINDS = [("k", "nan"), ("v", "nan"), ("v", "inf")]  # (+Inf keys: the reference's tests)
+
+
+def t_inputs(bad, key):
+    x = inputs(bad, key, TCFG, TT, dtype=torch.float32)
+    return {n: t.detach() for n, t in x.items()}
+
+
+def check_tiles(out, clean, first, last=None, T=TT, what=""):
+    """Rows before the query tile of position ``first`` (the first row that sees the bad value) and, if
+    given, after the tile of ``last`` (the last one) equal the clean run; rows first..last are non-finite."""
+    t = torch.arange(T)
+    lo = first // BLOCK_M * BLOCK_M
+    hi = T if last is None else (last // BLOCK_M + 1) * BLOCK_M
+    keep = (t < lo) | (t >= hi)
+    assert torch.isfinite(out[:, keep]).all(), f"{what}: a row in an earlier (or later) tile is not finite"
+    assert torch.equal(out[:, keep], clean[:, keep]), f"{what}: a row in an earlier (or later) tile changed"
+    sees = (t >= first) & (t <= (T - 1 if last is None else last))
+    assert (~torch.isfinite(out[:, sees])).any(-1).all(), f"{what}: a row that sees the bad value is finite"
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("kind,bad", KINDS)
+@pytest.mark.parametrize("i", [8, 14])  # seen from t = 39 (mid-tile), 63 (the last row only)
+def test_triton_compressed_branch(tma, bad, kind, i):
+    tb = _triton()
+    from nsa.backends.triton.compressed import compressed_branch
+    x = t_inputs(bad, kind == "k")
+    q, k, v = x["q"], x["k_cmp"], x["v_cmp"]
+    k2, v2 = (spoil(k, i, bad), v) if kind == "k" else (k, spoil(v, i, bad))
+    first = i * TCFG.d + TCFG.l - 1
+    with tb.poisoned_outputs(), tb.tuning.overrides({"compressed": {**SMALL["compressed"], "tma": tma}}):
+        o0, idx0 = compressed_branch(q, k, v, TCFG)
+        o1, idx1 = compressed_branch(q, k2, v2, TCFG)
+    check_tiles(o1, o0, first, what="o_cmp")
+    assert torch.equal(idx1[:, :first], idx0[:, :first])  # p (and so Eq. 9's scores) of rows t < first: exact
+
+
+@pytest.mark.parametrize("kind,bad", KINDS)
+@pytest.mark.parametrize("u", [30, 32, 63])  # 32: the first key of a key tile that the tile of rows 48.. starts at
+def test_triton_window_branch(bad, kind, u):
+    tb = _triton()
+    from nsa.backends.triton.window import sliding_window_attention
+    x = t_inputs(bad, kind == "k")
+    q, k, v = x["q"], x["k_win"], x["v_win"]
+    k2, v2 = (spoil(k, u, bad), v) if kind == "k" else (k, spoil(v, u, bad))
+    with tb.poisoned_outputs(), tb.tuning.overrides(SMALL):
+        o0 = sliding_window_attention(q, k, v, TCFG)
+        o1 = sliding_window_attention(q, k2, v2, TCFG)
+    check_tiles(o1, o0, u, min(u + TCFG.w - 1, TT - 1), what="o_win")
+
+
+@pytest.mark.parametrize("mode", ["query-tma", "query", "block"])
+@pytest.mark.parametrize("kind,bad", KINDS)
+@pytest.mark.parametrize("u", [37, 63])
+def test_triton_selected_branch(mode, bad, kind, u):
+    """Query-outer: one row per program, so every row t < u is the clean run's. Block-outer: a program loads
+    u's block for a work item of chunk_rows / G = 4 queries that selected it, in row order; the rows of
+    u's block (from 32 on here) select it (the newest candidate, forced), so its items start at 32, 36, ..:
+    rows before u's item are the clean run's."""
+    tb = _triton()
+    from nsa.backends.triton.selection import selected_attention
+    x = t_inputs(bad, kind == "k")
+    q, k, v = x["q"], x["k_sel"], x["v_sel"]
+    _, idx = reference.compressed_branch(q, x["k_cmp"], x["v_cmp"], TCFG)
+    k2, v2 = (spoil(k, u, bad), v) if kind == "k" else (k, spoil(v, u, bad))
+    tune = {"mode": mode.split("-")[0], "tma": mode == "query-tma", "chunk_rows": 8}
+    with tb.poisoned_outputs(), tb.tuning.overrides({"selection": tune}):
+        o0 = selected_attention(q, k, v, idx, TCFG)
+        o1 = selected_attention(q, k2, v2, idx, TCFG)
+    j0 = u // TCFG.l_sel * TCFG.l_sel
+    lo = u if mode != "block" else j0 + (u - j0) // 4 * 4
+    hit = sel_hit(idx, u, TCFG, TT)
+    keep = ~hit & (torch.arange(TT) < lo)[None, :, None]
+    assert torch.isfinite(o1[keep]).all() and torch.equal(o1[keep], o0[keep])
+    assert (~torch.isfinite(o1[hit])).any(-1).all()
+    if mode != "block":  # one row per program: exactly the reference's rows
+        check_rows(o1, o0, hit, mode)
+
+
+@pytest.mark.parametrize("name", ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"])
+def test_triton_nsa_output(name):
+    """The whole layer on the triton backend (its own top-n, the gate fused into the selected branch, the
+    query-outer selection at these sizes): NaN at raw position u = 41, or in the compressed token i = 9
+    that covers it (seen from 43); rows before u's query tile are the clean run's."""
+    tb = _triton()
+    x = t_inputs("nan", False)
+    u = 9 if name.endswith("cmp") else 41
+    first = u * TCFG.d + TCFG.l - 1 if name.endswith("cmp") else u
+    x2 = dict(x, **{name: spoil(x[name], u, "nan")})
+    with tb.poisoned_outputs(), tb.tuning.overrides(SMALL):
+        o0 = fn.nsa_attention(*(x[n] for n in ARG_ORDER), TCFG, backend="triton")
+        o1 = fn.nsa_attention(*(x2[n] for n in ARG_ORDER), TCFG, backend="triton")
+    lo = first // BLOCK_M * BLOCK_M
+    assert torch.isfinite(o1[:, :lo]).all() and torch.equal(o1[:, :lo], o0[:, :lo])
+    assert (~torch.isfinite(o1[:, first])).any(-1).all()
