@@ -85,6 +85,22 @@ def compress(x: torch.Tensor, config: NSAConfig, phi=None, varlen=None) -> torch
 
 
 # --------------------------------------------------------------------------------------------
+# Non-finite keys and values (docs/nsa-spec.md, "Non-finite inputs")
+# --------------------------------------------------------------------------------------------
+def _all_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """No NaN or Inf in k and v (one check and one host sync: the fast path's condition)."""
+    return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
+
+
+def _bad_tokens(k: torch.Tensor, v: torch.Tensor):
+    """(bad_k, bad_v): ``[B,N,H]`` masks of the tokens with a non-finite key / value element, or (None, None)
+    when every element is finite."""
+    if _all_finite(k, v):
+        return None, None
+    return ~torch.isfinite(k).all(-1), ~torch.isfinite(v).all(-1)
+
+
+# --------------------------------------------------------------------------------------------
 # Where each query row sits, and which compressed tokens it may see
 # --------------------------------------------------------------------------------------------
 def _positions(Tq: int, q_start: int, varlen, device) -> torch.Tensor:
@@ -105,22 +121,49 @@ def _cmp_index(Tc: int, config: NSAConfig, varlen, device):
 # --------------------------------------------------------------------------------------------
 # Compressed branch (Eqs. 5, 8) with its probabilities
 # --------------------------------------------------------------------------------------------
-def _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen=None):
+def _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen=None, bad_k=None):
     """p_cmp for queries c0..c1-1 of q at positions t[c0:c1]: ``[B,H,G,c,Tc]`` in the accumulation dtype
-    (Eq. 8); with packed documents, over all packed compressed tokens (zero outside the row's document)."""
+    (Eq. 8), and the visibility ``[c,Tc]``; with packed documents, over all packed compressed tokens (zero
+    outside the row's document). ``bad_k`` (``_bad_tokens``): keys with a non-finite element."""
     B, _, HQ, Dk = q.shape
     H, Tc = k_cmp.shape[2], k_cmp.shape[1]
     acc = _acc_dtype(q.dtype)
     qc = q[:, c0:c1].reshape(B, c1 - c0, H, HQ // H, Dk).to(acc)
-    s = torch.einsum("bthgd,bchd->bhgtc", qc, k_cmp.to(acc)) * scale
+    k = k_cmp.to(acc)
     index, doc = _cmp_index(Tc, config, varlen, q.device)
     end = index * config.d + config.l - 1
     visible = end[None, :] <= t[c0:c1, None]  # [c, Tc]: compressed token i is visible iff i*d+l-1 <= t
     if doc is not None:
         visible = visible & (doc[None, :] == varlen.row_doc(q.device)[c0:c1, None])
+    if bad_k is None:
+        s = torch.einsum("bthgd,bchd->bhgtc", qc, k) * scale
+    else:
+        # A non-finite key enters only the rows that see it: the others score against keys with those
+        # tokens zeroed; the natural product q.k (non-finite) is taken where a row sees one, on queries
+        # zeroed outside such rows (so no other row's gradient multiplies the non-finite key).
+        hit = visible[None, None] & bad_k.transpose(1, 2)[:, :, None, :]  # [B,H,c,Tc]
+        sees = hit.any(-1).transpose(1, 2)[:, :, :, None, None]  # [B,c,H,1,1]
+        s_clean = torch.einsum("bthgd,bchd->bhgtc", qc, k.masked_fill(bad_k[..., None], 0))
+        s_seen = torch.einsum("bthgd,bchd->bhgtc", qc.masked_fill(~sees, 0), k)
+        s = torch.where(hit[:, :, None], s_seen, s_clean) * scale
     s = s.masked_fill(~visible, torch.finfo(acc).min)
     # A row with no visible token would be uniform here; multiplying by the mask makes it zero.
-    return torch.softmax(s, dim=-1) * visible
+    return torch.softmax(s, dim=-1) * visible, visible
+
+
+def _cmp_output(p, v_cmp, visible, bad_v=None):
+    """Eq. 5 over the compressed tokens: ``p [B,H,G,c,Tc]`` times ``v_cmp [B,Tc,H,Dv]`` -> ``[B,c,H,G,Dv]``.
+
+    A masked token's probability is 0, but 0 x NaN is NaN: with non-finite values (``bad_v``), rows that see
+    none take the product with those tokens zeroed, and only the rows that see one the natural product
+    (on probabilities zeroed outside those rows, which keeps the other rows' gradients finite)."""
+    v = v_cmp.to(p.dtype)
+    if bad_v is None:
+        return torch.einsum("bhgtc,bchd->bthgd", p, v)
+    sees = (visible[None, None] & bad_v.transpose(1, 2)[:, :, None, :]).any(-1)  # [B,H,c]
+    clean = torch.einsum("bhgtc,bchd->bthgd", p, v.masked_fill(bad_v[..., None], 0))
+    seen = torch.einsum("bhgtc,bchd->bthgd", p.masked_fill(~sees[:, :, None, :, None], 0), v)
+    return torch.where(sees.transpose(1, 2)[:, :, :, None, None], seen, clean)
 
 
 def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, varlen=None):
@@ -133,8 +176,10 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     B, Tq, HQ, _ = q.shape
     Dv = v_cmp.shape[3]
-    p = _cmp_probs(q, k_cmp, config, scale, _positions(Tq, q_start, varlen, q.device), 0, Tq, varlen)
-    o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, Tq, HQ, Dv)
+    bad_k, bad_v = _bad_tokens(k_cmp, v_cmp)
+    p, visible = _cmp_probs(q, k_cmp, config, scale, _positions(Tq, q_start, varlen, q.device), 0, Tq, varlen,
+                            bad_k)
+    o = _cmp_output(p, v_cmp, visible, bad_v).reshape(B, Tq, HQ, Dv)
     return o.to(q.dtype), p.permute(0, 3, 1, 2, 4).reshape(B, Tq, HQ, k_cmp.shape[1]).to(q.dtype)
 
 
@@ -217,10 +262,11 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start
     S = q_start + Tq if n_keys is None else n_keys
     nb = config.n_blocks(S) if varlen is None else varlen.n_blocks(config)
     t = _positions(Tq, q_start, varlen, q.device)
+    bad_k, bad_v = _bad_tokens(k_cmp, v_cmp)
 
     def chunk(c0, c1, q, k_cmp, v_cmp):
-        p = _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen)
-        o = torch.einsum("bhgtc,bchd->bthgd", p, v_cmp.to(p.dtype)).reshape(B, c1 - c0, HQ, Dv)
+        p, visible = _cmp_probs(q, k_cmp, config, scale, t, c0, c1, varlen, bad_k)
+        o = _cmp_output(p, v_cmp, visible, bad_v).reshape(B, c1 - c0, HQ, Dv)
         with torch.no_grad():  # indices are not differentiable
             idx = _select(_group_scores_from_probs(p.detach(), config, nb, varlen), config, t[c0:c1])
         return o.to(q.dtype), idx
@@ -232,11 +278,12 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start
 # --------------------------------------------------------------------------------------------
 # Gathered attention: the selected (spec step 5) and sliding (step 6) branches
 # --------------------------------------------------------------------------------------------
-def _gather_attend(q, k, v, tok, valid, scale):
+def _gather_attend(q, k, v, tok, valid, scale, finite=True):
     """Attention of each query over its own key list.
 
     q ``[B,c,HQ,Dk]``; tok ``[B,c,H,N]`` key positions (any value where not valid); valid same
-    shape. Every query must have at least one valid key. Returns ``[B,c,HQ,Dv]``.
+    shape. Every query must have at least one valid key. Returns ``[B,c,HQ,Dv]``. ``finite``: k and v
+    hold no NaN or Inf (else the gathered entries that are not valid are zeroed before any product).
     """
     B, c, HQ, Dk = q.shape
     H = k.shape[2]
@@ -247,6 +294,11 @@ def _gather_attend(q, k, v, tok, valid, scale):
     h = torch.arange(H, device=q.device)[None, None, :, None]
     kg = k[b, tok, h].to(acc)  # [B,c,H,N,Dk]
     vg = v[b, tok, h].to(acc)  # [B,c,H,N,Dv]
+    if not finite:
+        # A masked entry's probability is 0, but 0 x NaN is NaN: masked keys/values are selected away
+        # before the products, so a non-finite one reaches only the rows that attend to it.
+        kg = kg.masked_fill(~valid[..., None], 0)
+        vg = vg.masked_fill(~valid[..., None], 0)
     qg = q.reshape(B, c, H, G, Dk).to(acc)
     s = torch.einsum("bthgd,bthnd->bthgn", qg, kg) * scale
     s = s.masked_fill(~valid[:, :, :, None, :], -math.inf)
@@ -276,6 +328,7 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
     ls = config.l_sel
     off = torch.arange(ls, device=q.device)
     pos = _positions(Tq, q_start, varlen, q.device)
+    finite = _all_finite(k_sel, v_sel)
 
     def chunk(c0, c1, q, k_sel, v_sel):
         idx = indices[:, c0:c1]
@@ -283,7 +336,7 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
         t = pos[c0:c1][None, :, None, None]
         start, n = (0, S) if varlen is None else _doc_rows(varlen, c0, c1, q.device)
         valid = (idx[..., None] >= 0).expand(*idx.shape, ls).flatten(-2) & (tok <= t) & (tok < n)
-        return _gather_attend(q[:, c0:c1], k_sel, v_sel, tok + start, valid, scale)
+        return _gather_attend(q[:, c0:c1], k_sel, v_sel, tok + start, valid, scale, finite)
 
     per_query = 4 * B * H * indices.shape[-1] * ls * (k_sel.shape[3] + v_sel.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_sel, v_sel)
@@ -298,11 +351,12 @@ def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, 
     w = min(config.w, q_start + Tq if varlen is None else varlen.max_len)
     off = torch.arange(-w + 1, 1, device=q.device)
     pos = _positions(Tq, q_start, varlen, q.device)
+    finite = _all_finite(k_win, v_win)
 
     def chunk(c0, c1, q, k_win, v_win):
         tok = (pos[c0:c1, None] + off)[None, :, None, :].expand(B, c1 - c0, H, w)
         start = 0 if varlen is None else _doc_rows(varlen, c0, c1, q.device)[0]
-        return _gather_attend(q[:, c0:c1], k_win, v_win, tok + start, tok >= 0, scale)
+        return _gather_attend(q[:, c0:c1], k_win, v_win, tok + start, tok >= 0, scale, finite)
 
     per_query = 4 * B * H * w * (k_win.shape[3] + v_win.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_win, v_win)

@@ -34,9 +34,13 @@ from .utils import LOG2E, default_scale, descriptor, dot_precision, empty, launc
 def _key_tile(base, XD, b, h, n0, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP: tl.constexpr,
               MASKED: tl.constexpr, TMA: tl.constexpr):
     """Keys n = n0 + nn of head h (``load_rows``), or with TMA through the descriptor XD of the [B, N, H, D]
-    tensor (block [1, NSTEP, 1, BD]: zero past N and D, as the masked load)."""
+    tensor (block [1, NSTEP, 1, BD]). MASKED: zero from key N on, as the masked load; N is the tile's bound
+    ``hi`` there, so that no key that none of its rows may see is loaded (0 x NaN is NaN in p @ v)."""
     if TMA:
-        return tl.reshape(XD.load([b.to(tl.int32), n0, h, 0]), [NSTEP, BD])
+        x = tl.reshape(XD.load([b.to(tl.int32), n0, h, 0]), [NSTEP, BD])
+        if MASKED:
+            x = tl.where(((nn < NSTEP) & (n < N))[:, None], x, 0.0)
+        return x
     return load_rows(base, n, nn, d, s_n, N, D, BD, NSTEP, MASKED)
 
 
@@ -71,8 +75,8 @@ def _lse_pass(q, kb, KD, b, h, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK
     for n0 in range(0, n_full1, LSE_N):
         m_i, l_i = _lse_tile(q, kb, KD, b, h, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
                              DK, BDK, LSE_N, STRIDE, OFFSET, PREC, False, TMA)
-    for n0 in range(n_full1, hi, LSE_N):
-        m_i, l_i = _lse_tile(q, kb, KD, b, h, n0, nn1, dk, sk_n, N, t, row_ok, m_i, l_i, scale_log2,
+    for n0 in range(n_full1, hi, LSE_N):  # bounded by hi: keys from hi on are seen by no row
+        m_i, l_i = _lse_tile(q, kb, KD, b, h, n0, nn1, dk, sk_n, hi, t, row_ok, m_i, l_i, scale_log2,
                              DK, BDK, LSE_N, STRIDE, OFFSET, PREC, True, TMA)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     return tl.where(row_ok, lse, float("inf"))
@@ -179,8 +183,8 @@ def _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_o
                                  w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False,
                                  D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
-    for n0 in range(n_full, hi, NSTEP):
-        acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
+    for n0 in range(n_full, hi, NSTEP):  # bounded by hi: no key that none of the rows sees enters p @ v
+        acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, hi, t, row_ok, lse, acc, carry,
                                  w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True,
                                  D_CMP, L_CMP, L_SEL, SPILL_W, TMA)

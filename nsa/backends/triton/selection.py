@@ -55,7 +55,7 @@ def _sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
     """Key rows row.. row+BLOCK_S of head h through the TMA descriptor of a [Nk, H, D] tensor (block
     [BLOCK_S, 1, BD]). Unlike the masked pointer loads, rows outside the selected block (past t, past the
     block, the previous or next sequence, j = -1) hold data, not zeros: the forward masks their scores
-    to -inf (p = 0) before p @ v, so with finite keys and values the result is the same."""
+    to -inf (p = 0) and zeroes their values before p @ v (0 x NaN is NaN)."""
     return tl.reshape(XD.load([row.to(tl.int32), h.to(tl.int32), 0]), [BLOCK_S, BD])
 
 
@@ -105,8 +105,8 @@ def _fwd_q_kernel(
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            vv = _sel_tile(VD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV)
+        if TMA:  # the descriptor has no mask: values outside the row's tokens are selected away
+            vv = tl.where(ok[:, None], _sel_tile(VD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV), 0.0)
         else:
             vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
                          mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -228,7 +228,10 @@ def _fwd_kv_kernel(
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     pos = j * L_SEL + kl
-    kok = (kl < L_SEL) & (pos < S)
+    # Tokens up to the item's last query (its entries are in ascending row order): the block is loaded
+    # once for all of them, so a token past every one of their positions is never loaded (0 x NaN is NaN).
+    t_last = q_start + (tl.load(ENT_ROW + e_end - 1).to(tl.int64) - q0)
+    kok = (kl < L_SEL) & (pos < S) & (pos <= t_last)
     kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None], mask=kok[None, :] & (dk[:, None] < DK), other=0.0)
     vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :], mask=kok[:, None] & (dv[None, :] < DV), other=0.0)
     if INTERP:  # the interpreter cannot range() over loaded scalars; compiled code wants a for loop

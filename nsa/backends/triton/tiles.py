@@ -130,6 +130,15 @@ def load_rows(base, n, nn, d, s_n, N, D: tl.constexpr, BD: tl.constexpr, NSTEP: 
 
 
 @triton.jit
+def load_span(base, n, nn, d, s_n, n_lo, n_hi, D: tl.constexpr, BD: tl.constexpr, NSTEP: tl.constexpr):
+    """Rows n of a [*, D] key/value stream (columns padded to BD), zero outside [n_lo, n_hi): a masked tile
+    loads no key that none of its rows may see (0 x NaN is NaN in p @ v; docs/nsa-spec.md, "Non-finite
+    inputs")."""
+    ptr = base + n[:, None].to(tl.int64) * s_n + d[None, :]
+    return tl.load(ptr, mask=((nn < NSTEP) & (n >= n_lo) & (n < n_hi))[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
 def load_head_rows(X, b, s_b, s_t, s_h, m, head, d, row_ok, D: tl.constexpr):
     """Rows (position m, query head) of a [B, T, HQ, D] tensor (columns padded to len(d)); 0 where not row_ok."""
     return tl.load(

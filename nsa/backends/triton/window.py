@@ -15,23 +15,28 @@ import triton.language as tl
 
 from . import tuning
 from .attention_bwd import attention_backward
-from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, query_grid, store_head_rows,
-                    visible)
+from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, load_span, query_grid,
+                    store_head_rows, visible)
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
 
 
 @triton.jit
-def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc, scale_log2,
+def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, n_lo, n_hi, t, row_ok, m_i, l_i, acc, scale_log2,
                  DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, NSTEP: tl.constexpr,
                  WINDOW: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     """One-pass online softmax (Eq. 5 with Eq. 8's normalizer) on keys n0..n0+NSTEP; unmasked tiles
-    are visible to every row of the program."""
+    are visible to every row of the program. Masked tiles load only keys [n_lo, n_hi), those that some
+    row of the program may see."""
     n = n0 + nn
-    k = load_rows(kb, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED)
-    v = load_rows(vb, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED)
+    if MASKED:
+        k = load_span(kb, n, nn, dk, sk_n, n_lo, n_hi, DK, BDK, NSTEP)
+        v = load_span(vb, n, nn, dv, sv_n, n_lo, n_hi, DV, BDV, NSTEP)
+    else:
+        k = load_rows(kb, n, nn, dk, sk_n, n_hi, DK, BDK, NSTEP, False)
+        v = load_rows(vb, n, nn, dv, sv_n, n_hi, DV, BDV, NSTEP, False)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     if MASKED:
-        vis = visible(n, (nn < NSTEP) & (n < N), t, row_ok, WINDOW)  # key n ends at raw position n
+        vis = visible(n, (nn < NSTEP) & (n < n_hi), t, row_ok, WINDOW)  # key n ends at raw position n
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,8 +71,8 @@ def _fwd_kernel(
     dv = tl.arange(0, BDV)
     q = load_head_rows(Q, b, sq_b, sq_t, sq_h, m, head, dk, row_ok, DK)
     tmin, tmax, hi = key_range(q_start, m0, m_end, N, 1, 0, BLOCK_M)
-    lo = tl.maximum(tmin - WINDOW + 1, 0)
-    lo = (lo // NSTEP) * NSTEP
+    first = tl.maximum(tmin - WINDOW + 1, 0)  # the first key any row of the tile sees
+    lo = (first // NSTEP) * NSTEP
     kb = K + b * sk_b + h * sk_h
     vb = V + b * sv_b + h * sv_h
     nn = tl.arange(0, BLOCK_N)
@@ -82,13 +87,13 @@ def _fwd_kernel(
         mid_lo = tl.minimum(tl.maximum((tl.maximum(tmax - WINDOW + 1, 0) + NSTEP - 1) // NSTEP * NSTEP, lo), hi)
         mid_hi = tl.maximum((tmin + 1) // NSTEP * NSTEP, mid_lo)
     for n0 in range(lo, mid_lo, NSTEP):
-        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, first, hi, t, row_ok, m_i, l_i, acc,
                                      scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, True)
     for n0 in range(mid_lo, mid_hi, NSTEP):
-        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, first, hi, t, row_ok, m_i, l_i, acc,
                                      scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, False)
     for n0 in range(mid_hi, hi, NSTEP):
-        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, m_i, l_i, acc,
+        m_i, l_i, acc = _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, first, hi, t, row_ok, m_i, l_i, acc,
                                      scale_log2, DK, DV, BDK, BDV, NSTEP, WINDOW, PREC, True)
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
