@@ -231,7 +231,6 @@ TT = 64
 SMALL = {"compressed": dict(rows=16, block_n=16, lse_n=32, warps=4, stages=1),
          "window": dict(rows=16, block_n=16, warps=4, stages=1)}
 BLOCK_M = 8
-KINDS = [("k", "nan"), ("v", "nan"), ("v", "inf")]  # (+Inf keys: the reference's tests)
 
 
 def t_inputs(bad, key):
@@ -252,9 +251,11 @@ def check_tiles(out, clean, first, last=None, T=TT, what=""):
     assert (~torch.isfinite(out[:, sees])).any(-1).all(), f"{what}: a row that sees the bad value is finite"
 
 
-@pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("kind,bad", KINDS)
-@pytest.mark.parametrize("i", [8, 14])  # seen from t = 39 (mid-tile), 63 (the last row only)
+# i: seen from t = 39 (mid-tile), 63 (the last row only). The interpreter is slow: the cases that tell the
+# load paths apart (+Inf values: the reference's tests).
+@pytest.mark.usefixtures("fast_interpreter")
+@pytest.mark.parametrize("tma,kind,bad,i", [(True, "v", "nan", 8), (True, "v", "nan", 14), (False, "v", "nan", 14),
+                                            (True, "k", "nan", 14), (False, "v", "inf", 8)])
 def test_triton_compressed_branch(tma, bad, kind, i):
     tb = _triton()
     from nsa.backends.triton.compressed import compressed_branch
@@ -269,9 +270,9 @@ def test_triton_compressed_branch(tma, bad, kind, i):
     assert torch.equal(idx1[:, :first], idx0[:, :first])  # p (and so Eq. 9's scores) of rows t < first: exact
 
 
-@pytest.mark.parametrize("kind,bad", KINDS)
-@pytest.mark.parametrize("u", [30, 32, 63])  # 32: the first key of a key tile that the tile of rows 48.. starts at
-def test_triton_window_branch(bad, kind, u):
+@pytest.mark.usefixtures("fast_interpreter")
+@pytest.mark.parametrize("kind,bad,u", [("v", "nan", 30), ("v", "nan", 32), ("v", "nan", 63), ("k", "nan", 32)])
+def test_triton_window_branch(bad, kind, u):  # 32: the first key of a key tile that the tile of rows 48.. starts at
     tb = _triton()
     from nsa.backends.triton.window import sliding_window_attention
     x = t_inputs(bad, kind == "k")
@@ -283,9 +284,9 @@ def test_triton_window_branch(bad, kind, u):
     check_tiles(o1, o0, u, min(u + TCFG.w - 1, TT - 1), what="o_win")
 
 
+@pytest.mark.usefixtures("fast_interpreter")
 @pytest.mark.parametrize("mode", ["query-tma", "query", "block"])
-@pytest.mark.parametrize("kind,bad", KINDS)
-@pytest.mark.parametrize("u", [37, 63])
+@pytest.mark.parametrize("kind,bad,u", [("v", "nan", 37), ("k", "nan", 63)])
 def test_triton_selected_branch(mode, bad, kind, u):
     """Query-outer: one row per program, so every row t < u is the clean run's. Block-outer: a program loads
     u's block for a work item of chunk_rows / G = 4 queries that selected it, in row order; the rows of
@@ -311,7 +312,8 @@ def test_triton_selected_branch(mode, bad, kind, u):
         check_rows(o1, o0, hit, mode)
 
 
-@pytest.mark.parametrize("name", ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"])
+@pytest.mark.usefixtures("fast_interpreter")
+@pytest.mark.parametrize("name", ["v_cmp", "v_sel", "v_win"])
 def test_triton_nsa_output(name):
     """The whole layer on the triton backend (its own top-n, the gate fused into the selected branch, the
     query-outer selection at these sizes): NaN at raw position u = 41, or in the compressed token i = 9

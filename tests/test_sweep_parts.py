@@ -95,3 +95,23 @@ def test_placement_tells_jobs_that_shared_a_gpu_at_once():
     line, m = launchers.placement([_run(0, 5), _run(5, 9), None], since_ms=0)  # one after another, no GPU
     assert m["jobs_at_once_max"] == 1 and "no pinned GPU" in line
     assert launchers.placement([_run(0, 5)], since_ms=6) == ("no job ran in this launch", {})  # an earlier launch's
+
+
+def test_the_sweeps_view_puts_every_row_of_a_column_on_one_chart():
+    """views.sweep_view: one line chart per column with its rows' metrics (nsa, then dense), the parent the
+    only run shown, within the 20,000 characters of an experiment tag with 200 runs hidden."""
+    from experiments.framework import views
+
+    metrics = ["p50_ms/cmp", "p50_ms/dense", "p50_ms/nsa", "speedup_vs_dense_x/nsa", "jobs", "sweep_wall_s"]
+    hide = ["p"] + [f"{i:032x}" for i in range(views.HIDE_MAX)]
+    state = views.sweep_view("p", metrics, ("p50_ms", "speedup_vs_dense_x", "absent"), "seq_tokens", hide)
+    charts = state["compareRunCharts"]
+    assert [c["selectedMetricKeys"] for c in charts] == [["p50_ms/nsa", "p50_ms/dense", "p50_ms/cmp"],
+                                                         ["speedup_vs_dense_x/nsa"]]
+    assert {c["type"] for c in charts} == {"LINE"} and {c["xAxisKey"] for c in charts} == {"step"}
+    (section,) = state["compareRunSections"]
+    assert all(c["metricSectionId"] == section["uuid"] for c in charts)
+    assert "p" not in state["runsHidden"] and len(state["runsHidden"]) == views.HIDE_MAX
+    assert len(json.dumps(state, separators=(",", ":"))) < 20000
+    assert views.sweep_view("p", ["jobs"], ("p50_ms",), "seq_tokens", [])["compareRunCharts"] == []
+    assert views.link("3", "k") == "#/experiments/3/runs?viewStateShareKey=k&workflowType=machine_learning&compareRunsMode=CHART"
