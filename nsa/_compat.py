@@ -47,6 +47,14 @@ def triton_version() -> tuple[int, int]:
 __all__ = ["SDPA_ENABLE_GQA", "sdpa_gqa", "triton_version"]
 
 
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` when it traces, and the result is
+    a constant of the graph. Marks ``fn`` as that function does, without its import of torch._dynamo, which
+    imports triton: importing nsa leaves triton unimported (its interpreter is chosen when it is imported)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def block_mask_from_kv_blocks(*args, seq_lengths: tuple[int, int], **kwargs):
     """``BlockMask.from_kv_blocks``, with ``seq_lengths`` where this torch takes it (>= 2.6; before, the
     lengths are the block counts times the block size)."""
