@@ -1,6 +1,7 @@
 """Compatibility helpers across the supported torch versions (see ``nsa.toolchain``)."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -45,6 +46,36 @@ def triton_version() -> tuple[int, int]:
 
 
 __all__ = ["SDPA_ENABLE_GQA", "sdpa_gqa", "triton_version"]
+
+
+def custom_op(name: str, fake):
+    """The decorated function registered as ``torch.library.custom_op(name, mutates_args=())``, with ``fake`` (its
+    outputs' shapes and dtypes) by ``register_fake``. Returns a function that calls the op while torch.compile
+    traces (one node of the graph; the op is its ``.op``) and the plain function otherwise: eager calls pay no
+    dispatcher overhead (about 20 us a call, measured on CPU). torch < 2.4 has no custom_op: the plain function
+    alone there (eager only)."""
+    def wrap(fn):
+        if not hasattr(torch.library, "custom_op"):
+            return fn
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        call.op = op
+        return call
+
+    return wrap
+
+
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)``: torch.compile calls ``fn`` when it traces, and the result is
+    a constant of the graph. Marks ``fn`` as that function does, without its import of torch._dynamo, which
+    imports triton: importing nsa leaves triton unimported (its interpreter is chosen when it is imported)."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def block_mask_from_kv_blocks(*args, seq_lengths: tuple[int, int], **kwargs):

@@ -39,6 +39,7 @@ from typing import Mapping
 import torch
 
 from . import reference
+from ._compat import assume_constant_result
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -181,6 +182,16 @@ def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fal
            varlen: bool = False) -> Backend:
     """The backend that will run ``branch`` (on packed documents where ``varlen``); raises or falls back
     (loudly) if ``name`` can't."""
+    return _REGISTRY[_choose(branch, name, device, dtype, fallback, varlen)]
+
+
+# torch.compile runs these two when it traces (assume_constant_result: their results are constants of the
+# graph), since it cannot trace what they do (a lazy import, a warning, a ContextVar): a compiled call is
+# checked and recorded when it is traced, not each time its graph runs. In eager, on every call.
+@assume_constant_result
+def _choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fallback: str | None,
+            varlen: bool) -> str:
+    """:func:`choose`'s backend, by name; notes it (and the fallback taken) in the current ``record()``."""
     def why(be):
         return be.unavailable(branch, device, dtype) or (be.varlen_unavailable(branch, device, dtype) if varlen else None)
 
@@ -204,10 +215,19 @@ def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fal
         note = f"{branch}: {name} -> {fallback} ({reason})"
         if note not in _WARNED:
             _WARNED.add(note)
-            warnings.warn(f"NSA backend fallback: {note}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"NSA backend fallback: {note}", RuntimeWarning, stacklevel=4)
     rec = _CURRENT.get()
     if rec is not None:
         rec.ran[branch] = chosen.name
         if note is not None and note not in rec.fallbacks:
             rec.fallbacks.append(note)
-    return chosen
+    return chosen.name
+
+
+@assume_constant_result
+def count_call() -> bool:
+    """Count one ``nsa_attention`` call in the current ``record()``."""
+    rec = _CURRENT.get()
+    if rec is not None:
+        rec.calls += 1
+    return True

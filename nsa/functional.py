@@ -192,8 +192,9 @@ def _check_indices(q, indices, config):
 
 def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None = None):
     """Block indices lie in [0, ceil(S / l_sel)) (packed: ceil(L / l_sel) of the row's document) or are -1
-    (none); the kernels do not check them. One reduction and one host sync per call."""
-    if indices.numel() == 0:
+    (none); the kernels do not check them. One reduction and one host sync per call: checked in eager only
+    (torch.compile cannot trace the sync; a compiled call is not checked)."""
+    if indices.numel() == 0 or torch.compiler.is_compiling():
         return
     if docs is not None:
         dev = indices.device
@@ -273,6 +274,10 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,k])``, k = ``config.sel_count(ceil(S / l_sel))``
     (n_sel bounded by the blocks of the S keys, packed: of the longest document; a larger n_sel selects
     every block, at the cost of the blocks that exist).
+
+    ``torch.compile(fullgraph=True)`` traces this function (reference and triton backends, forward and backward;
+    not with ``cu_seqlens``): the shape checks run when it is traced, the branches on one stream, and
+    ``dispatch.record()`` notes the backends when the call is traced, not each time its graph runs.
     """
     _check_q(q, config)
     _check_q_start(q_start)
@@ -292,9 +297,7 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     # n_sel beyond the blocks of S keys (packed: of the longest document) selects them all: work sized by them
     config = config.bounded(S if docs is None else docs.max_len)
     dev, dt = q.device, q.dtype
-    rec = dispatch._CURRENT.get()
-    if rec is not None:
-        rec.calls += 1
+    dispatch.count_call()
 
     backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback, varlen=docs is not None) for b in dispatch.BRANCHES}
     o, idx = gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, backends, scale=sc,
@@ -323,7 +326,9 @@ def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: N
     if fuse and grad:
         raise ValueError("gated_branches: fuse_gate=True needs a forward without gradients")
     side = hook = None
-    if streams and dev.type == "cuda" and q.shape[0] * q.shape[1] >= STREAM_MIN_QUERIES:
+    # torch.compile: one stream (the graph orders the kernels; the event hook fits no op schema)
+    if streams and dev.type == "cuda" and q.shape[0] * q.shape[1] >= STREAM_MIN_QUERIES \
+            and not torch.compiler.is_compiling():
         main, side = torch.cuda.current_stream(dev), _side_stream(dev)
         scored = torch.cuda.Event()
         hook = functools.partial(scored.record, main)  # every backend calls on_scored (Backend.compressed)

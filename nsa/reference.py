@@ -189,10 +189,13 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
 def _overlap_matrix(i: torch.Tensor, n_blocks: int, config: NSAConfig, dtype) -> torch.Tensor:
     """W[i, j] = |[i*d, i*d+l) ∩ [j*l_sel, (j+1)*l_sel)| / d: the block-aligned Eq. 9 weights of the
     compressed tokens of (in-sequence) index i."""
+    # In units of d (l and l_sel are multiples of d): no integer division, which inductor's index
+    # simplification cannot compile here (torch 2.13: "vr must not be None").
     j = torch.arange(n_blocks, device=i.device)
-    lo = torch.maximum(i[:, None] * config.d, j[None, :] * config.l_sel)
-    hi = torch.minimum(i[:, None] * config.d + config.l, (j[None, :] + 1) * config.l_sel)
-    return ((hi - lo).clamp(min=0) // config.d).to(dtype)
+    u_l, u_sel = config.l // config.d, config.l_sel // config.d
+    lo = torch.maximum(i[:, None], j[None, :] * u_sel)
+    hi = torch.minimum(i[:, None] + u_l, (j[None, :] + 1) * u_sel)
+    return (hi - lo).clamp(min=0).to(dtype)
 
 
 def _group_scores_from_probs(p, config: NSAConfig, n_blocks: int, varlen=None):

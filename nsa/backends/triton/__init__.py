@@ -12,6 +12,16 @@ One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12)
 ``window``, ``attention_bwd`` (the compressed and window backward), ``gate`` (Eq. 5), ``rowdot``
 (the backward's delta), ``decode``; ``tiles`` holds the JIT tile helpers several of them share,
 ``utils`` the host-side ones, ``tuning`` every launch parameter.
+
+torch.compile: each forward and backward is a custom op (``nsa::compressed_fwd``, ``nsa::window_fwd``,
+``nsa::attention_bwd``, ``nsa::selection_fwd``, ``nsa::selection_bwd``, ``nsa::gate_fwd``, ``nsa::gate_bwd``;
+``nsa._compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
+branch's ``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` traces a layer built on this backend,
+forward and backward, with one graph node per op. Their non-tensor arguments are ints, floats and strings:
+the config's block sizes (``utils.Blocks``) and the launch parameters read when the call is traced
+(``tuning.encode``), so a backward uses its forward's. In eager, the autograd.Functions call the ops'
+functions directly (no dispatcher overhead). Packed documents (``varlen``) and the stream hook
+(``on_scored``) run in eager only.
 """
 from __future__ import annotations
 

@@ -11,10 +11,13 @@ each within one document (``tiles.doc_span``).
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
+from ..._compat import custom_op
 from . import tuning
 from .rowdot import row_dot
 from .tiles import (at_doc, doc_rows, doc_span, geometry, group_rows, key_range, load_head_rows, load_row_stats,
@@ -231,3 +234,26 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
         if n_split > 1:
             dk, dv = dkw.sum(0).to(k.dtype), dvw.sum(0).to(v.dtype)
     return dq, dk, dv
+
+
+def _attention_bwd_fake(q, k, v, o, lse, do, scale, q_start, stride, offset, window, tune):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@custom_op("nsa::attention_bwd", _attention_bwd_fake)
+def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                      do: torch.Tensor, scale: float, q_start: int, stride: int, offset: int, window: int,
+                      tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_backward` of one sequence per batch row, ``tune`` from ``tuning.encode``."""
+    return attention_backward(q, k, v, o, lse, do, scale=scale, q_start=q_start, stride=stride, offset=offset,
+                              window=window, tune=tuning.decode("attention_bwd", tune))
+
+
+def backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tune, varlen=None):
+    """:func:`attention_backward` by the custom op ``nsa::attention_bwd`` (see the package docstring); packed
+    documents (``varlen``), whose tables no op schema carries, call it directly (eager only)."""
+    if varlen is not None:
+        return attention_backward(q, k, v, o, lse, do, scale=scale, q_start=q_start, stride=stride, offset=offset,
+                                  window=window, tune=tune, varlen=varlen)
+    return _attention_bwd_op(q, k, v, o, lse, do, float(scale), int(q_start), int(stride), int(offset), int(window),
+                             tuning.encode("attention_bwd", tune))

@@ -18,16 +18,18 @@ Launch parameters: ``tuning.params("compressed")``.
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .attention_bwd import attention_backward
+from ..._compat import custom_op
+from . import attention_bwd, tuning
 from .tiles import (forward_rows, geometry, group_rows, key_range, load_head_rows, load_rows, query_grid,
                     store_head_rows, visible)
 from .topn import topn_launch
-from .utils import LOG2E, default_scale, descriptor, dot_precision, empty, launch_options, p2, tma_ok
+from .utils import LOG2E, Blocks, default_scale, descriptor, dot_precision, empty, launch_options, p2, tma_ok
 
 
 @triton.jit
@@ -298,14 +300,36 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
     return o, lse, idx
 
 
+def _compressed_fwd_fake(q, k, v, blocks, scale, q_start, n_blocks, tune):
+    B, Tq, HQ, _ = q.shape
+    return (q.new_empty(B, Tq, HQ, v.shape[3]), q.new_empty(B, HQ, Tq, dtype=torch.float32),
+            q.new_empty(B, Tq, k.shape[2], Blocks(*blocks).n_sel, dtype=torch.int64))
+
+
+@custom_op("nsa::compressed_fwd", _compressed_fwd_fake)
+def _compressed_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], scale: float,
+                       q_start: int, n_blocks: int, tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward` of one sequence per batch row: (o, lse, indices); ``blocks``: ``Blocks.of(config)``,
+    ``tune`` from ``tuning.encode``."""
+    return _forward(q, k, v, Blocks(*blocks), scale=scale, q_start=q_start, n_blocks=n_blocks, on_scored=None,
+                    tune=tuning.decode("compressed", tune))
+
+
 class CompressedAttention(torch.autograd.Function):
-    """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp."""
+    """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp. By the custom
+    ops ``nsa::compressed_fwd`` and ``nsa::attention_bwd`` (see the package docstring); ``on_scored`` and
+    packed documents (``varlen``), which no op schema carries, call the functions beneath (eager only)."""
 
     @staticmethod
     def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None, varlen=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse, idx = _forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
-                               on_scored=on_scored, tune=tuning.params("compressed", q.device), varlen=varlen)
+        tune = tuning.params("compressed", q.device)
+        if on_scored is None and varlen is None:
+            o, lse, idx = _compressed_fwd_op(q, k, v, list(Blocks.of(config)), float(scale), int(q_start), int(n_blocks),
+                                             tuning.encode("compressed", tune))
+        else:
+            o, lse, idx = _forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
+                                   on_scored=on_scored, tune=tune, varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = dict(scale=scale, q_start=q_start, stride=config.d, offset=config.l - 1, window=0,
                         tune=tuning.params("attention_bwd", q.device), varlen=varlen)
@@ -315,7 +339,7 @@ class CompressedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _didx):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, **ctx.geom)
+        dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None, None, None
 
 

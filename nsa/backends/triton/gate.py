@@ -11,10 +11,13 @@ kernel reads 3 and writes 1 forward, reads 4 and writes 3 backward). Launch para
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
+from ..._compat import custom_op
 from . import tuning
 from .tiles import row_tile
 from .utils import empty
@@ -58,38 +61,59 @@ def _gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.conste
     _gate_bwd_one(OW, DOW, GT, DG, do, r, ok, off, mask, 2)
 
 
+def _gate_fwd_fake(o_cmp, o_sel, o_win, gates, tune):
+    return o_cmp.new_empty(o_cmp.shape)
+
+
+@custom_op("nsa::gate_fwd", _gate_fwd_fake)
+def _gate_fwd_op(o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
+                 tune: Sequence[int]) -> torch.Tensor:
+    """Eq. 5 of contiguous inputs; ``tune`` from ``tuning.encode``."""
+    tune = tuning.decode("gate", tune)
+    D = o_cmp.shape[-1]
+    n_rows = o_cmp.numel() // max(D, 1)
+    o = empty(o_cmp.shape, o_cmp)
+    if n_rows:
+        _gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+            o_cmp, o_sel, o_win, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
+            num_warps=tune["warps"])
+    return o
+
+
+def _gate_bwd_fake(oc, os_, ow, gates, do, tune):
+    return tuple(x.new_empty(x.shape) for x in (oc, os_, ow, gates))
+
+
+@custom_op("nsa::gate_bwd", _gate_bwd_fake)
+def _gate_bwd_op(oc: torch.Tensor, os_: torch.Tensor, ow: torch.Tensor, gates: torch.Tensor, do: torch.Tensor,
+                 tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d o_cmp, d o_sel, d o_win, d gates) of contiguous inputs; ``tune`` from ``tuning.encode``."""
+    tune = tuning.decode("gate", tune)
+    D = oc.shape[-1]
+    n_rows = oc.numel() // max(D, 1)
+    d_o = [empty(x.shape, x) for x in (oc, os_, ow)]
+    dg = empty(gates.shape, gates)
+    if n_rows:
+        _gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+            oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
+            num_warps=tune["warps"])
+    return (*d_o, dg)
+
+
 class GatedSum(torch.autograd.Function):
-    """``o [B,Tq,HQ,Dv] = sum_c gates[..., c, None] * o_c`` over (o_cmp, o_sel, o_win)."""
+    """``o [B,Tq,HQ,Dv] = sum_c gates[..., c, None] * o_c`` over (o_cmp, o_sel, o_win), by the custom ops
+    ``nsa::gate_fwd`` and ``nsa::gate_bwd`` (see the package docstring)."""
 
     @staticmethod
     def forward(ctx, o_cmp, o_sel, o_win, gates):
-        xs = [x.contiguous() for x in (o_cmp, o_sel, o_win)]
-        gates = gates.contiguous()
-        D = xs[0].shape[-1]
-        n_rows = xs[0].numel() // max(D, 1)
-        o = empty(xs[0].shape, xs[0])
-        tune = ctx.tune = tuning.params("gate", o.device)
-        if n_rows:
-            _gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
-                *xs, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
-                num_warps=tune["warps"])
-        ctx.save_for_backward(*xs, gates)
-        return o
+        xs = [x.contiguous() for x in (o_cmp, o_sel, o_win, gates)]
+        ctx.tune = tuning.encode("gate", tuning.params("gate", xs[0].device))  # the backward's too
+        ctx.save_for_backward(*xs)
+        return _gate_fwd_op(*xs, ctx.tune)
 
     @staticmethod
     def backward(ctx, do):
-        oc, os_, ow, gates = ctx.saved_tensors
-        do = do.contiguous()
-        D = oc.shape[-1]
-        n_rows = oc.numel() // max(D, 1)
-        d_o = [empty(x.shape, x) for x in (oc, os_, ow)]
-        dg = empty(gates.shape, gates)
-        tune = ctx.tune
-        if n_rows:
-            _gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
-                oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
-                num_warps=tune["warps"])
-        return (*d_o, dg)
+        return _gate_bwd_op(*ctx.saved_tensors, do.contiguous(), ctx.tune)
 
 
 def gated_sum(o_cmp, o_sel, o_win, gates):

@@ -29,10 +29,13 @@ are computed in int64. Accumulation is fp32; fp32 inputs use IEEE fp32 products 
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+from typing import Optional, Sequence
+
 import torch
 import triton
 import triton.language as tl
 
+from ..._compat import assume_constant_result, custom_op
 from . import tuning
 from .gate import gate_rows
 from .rowdot import row_dot
@@ -464,7 +467,12 @@ def _part_budget(tune, device):
         return tune["part_bytes_max"]
     if device.type != "cuda":
         return 8 << 30
-    return min(8 << 30, torch.cuda.get_device_properties(device).total_memory // 8)
+    return min(8 << 30, _gpu_memory(device) // 8)
+
+
+@assume_constant_result  # torch.compile: asked when tracing, a constant of the graph
+def _gpu_memory(device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _part_rows(n_rows, row_bytes, tune):
@@ -625,19 +633,80 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 
+_PLAN = ("ent_row", "ent_slot", "item_key", "item_start", "item_end")  # the plan's tensors, as op outputs
+
+
+def _plan_kept(Nq, row_bytes, mode, tune) -> bool:
+    """Whether :func:`_forward` returns its block-outer plan (for the backward): one chunk of rows only."""
+    return mode == "block" and Nq > 0 and _part_rows(Nq, row_bytes, tune) >= Nq
+
+
+def _selection_fwd_fake(q, k, v, idx, cu_q, cu_k, row_seq, q_start, n_blocks, scale, l_sel, mode, tune, o_cmp, o_win,
+                        gates):
+    Nq, HQ, _ = q.shape
+    kept = _plan_kept(Nq, HQ * idx.shape[2] * v.shape[2] * q.element_size(), mode, tuning.decode("selection", tune))
+    n_ent = Nq * idx.shape[1] * idx.shape[2] if kept else 0
+    n_items = torch.library.get_ctx().new_dynamic_size() if kept else 0  # work items: data-dependent
+    return (q.new_empty(Nq, HQ, v.shape[2]), q.new_empty(Nq, HQ, dtype=torch.float32),
+            idx.new_empty(n_ent), idx.new_empty(n_ent), *(q.new_empty(n_items, dtype=torch.int64) for _ in range(3)))
+
+
+@custom_op("nsa::selection_fwd", _selection_fwd_fake)
+def _selection_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, cu_q: torch.Tensor,
+                      cu_k: torch.Tensor, row_seq: torch.Tensor, q_start: int, n_blocks: int, scale: float, l_sel: int,
+                      mode: str, tune: Sequence[int], o_cmp: Optional[torch.Tensor], o_win: Optional[torch.Tensor],
+                      gates: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward` on the packed layout (``_Layout``'s fields), gated where o_cmp/o_win/gates are given:
+    (o, lse, then the plan's ``_PLAN`` tensors, empty where none is kept); ``tune`` from ``tuning.encode``."""
+    gated = None if o_cmp is None else (o_cmp, o_win, gates)
+    o, lse, plan = _forward(q, k, v, idx, _Layout(cu_q, cu_k, row_seq, q_start, n_blocks), scale, l_sel, mode,
+                            tuning.decode("selection", tune), gated=gated)
+    if plan is None:
+        plan = dict(ent_row=idx.new_empty(0), ent_slot=idx.new_empty(0), item_key=q.new_empty(0, dtype=torch.int64),
+                    item_start=q.new_empty(0, dtype=torch.int64), item_end=q.new_empty(0, dtype=torch.int64))
+    return (o, lse, *(plan[n] for n in _PLAN))
+
+
+def _selection_bwd_fake(do, q, k, v, o, lse, idx, cu_q, cu_k, row_seq, q_start, n_blocks, scale, l_sel, mode, tune,
+                        ent_row, ent_slot, item_key, item_start, item_end):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@custom_op("nsa::selection_bwd", _selection_bwd_fake)
+def _selection_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, idx: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, row_seq: torch.Tensor,
+                      q_start: int, n_blocks: int, scale: float, l_sel: int, mode: str, tune: Sequence[int],
+                      ent_row: torch.Tensor, ent_slot: torch.Tensor, item_key: torch.Tensor, item_start: torch.Tensor,
+                      item_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_backward` of ``nsa::selection_fwd`` (same layout and parameters), reusing its plan where kept."""
+    tune = tuning.decode("selection", tune)
+    plan = None
+    if _plan_kept(q.shape[0], q.shape[1] * idx.shape[2] * v.shape[2] * q.element_size(), mode, tune):
+        plan = dict(zip(_PLAN, (ent_row, ent_slot, item_key, item_start, item_end)), n_items=item_key.shape[0])
+    return _backward(do, q, k, v, o, lse, idx, _Layout(cu_q, cu_k, row_seq, q_start, n_blocks), scale, l_sel, mode,
+                     plan, tune)
+
+
 class _SelectedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, idx, lay, scale, l_sel, mode, tune):
-        o, lse, plan = _forward(q, k, v, idx, lay, scale, l_sel, mode, tune)
-        ctx.save_for_backward(q, k, v, o, lse, idx)
-        ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.tune = lay, scale, l_sel, mode, plan, tune
-        return o
+    """The selected branch by the custom ops ``nsa::selection_fwd`` and ``nsa::selection_bwd`` (see the package
+    docstring); ``args``: (q_start, n_blocks, scale, l_sel, mode, encoded tune). Returns o and the plan's
+    tensors (not differentiable): torch.compile needs the work items' data-dependent count among the outputs
+    of the traced forward."""
 
     @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, idx = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, idx, ctx.lay, ctx.scale, ctx.l_sel, ctx.mode, ctx.plan, ctx.tune)
-        return dq, dk, dv, None, None, None, None, None, None
+    def forward(ctx, q, k, v, idx, cu_q, cu_k, row_seq, *args):
+        o, lse, *plan = _selection_fwd_op(q, k, v, idx, cu_q, cu_k, row_seq, *args, None, None, None)
+        ctx.save_for_backward(q, k, v, o, lse, idx, cu_q, cu_k, row_seq, *plan)
+        ctx.args = args
+        ctx.mark_non_differentiable(*plan)
+        return (o, *plan)
+
+    @staticmethod
+    def backward(ctx, do, *_):
+        q, k, v, o, lse, idx, cu_q, cu_k, row_seq, *plan = ctx.saved_tensors
+        dq, dk, dv = _selection_bwd_op(do, q, k, v, o, lse, idx, cu_q, cu_k, row_seq, *ctx.args, *plan)
+        return dq, dk, dv, *(None,) * (4 + len(ctx.args))
 
 
 def _prepare(q, k, v, indices, config, scale):
@@ -653,8 +722,9 @@ def _prepare(q, k, v, indices, config, scale):
 
 def _run(q, k, v, indices, lay, config, scale):
     scale, mode, tune, idx = _prepare(q, k, v, indices, config, scale)
-    return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay, scale,
-                                    config.l_sel, mode, tune)
+    return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay.cu_q, lay.cu_k, lay.row_seq,
+                                    lay.q_start, lay.n_blocks, float(scale), config.l_sel, mode,
+                                    tuning.encode("selection", tune))[0]
 
 
 def _layout(q, k_sel, config, q_start, varlen):
@@ -700,6 +770,7 @@ def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, sca
     scale, mode, tune, idx = _prepare(qf, kf, vf, indices.reshape(B * Tq, H, indices.shape[-1]), config, scale)
     gated = tuple(x.reshape(B * Tq, HQ, x.shape[-1]).contiguous() for x in (o_cmp, o_win, gates))
     lay = _layout(q, k_sel, config, q_start, varlen)
-    o, _, _ = _forward(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay, scale, config.l_sel, mode, tune,
-                       gated=gated)
+    o = _selection_fwd_op(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay.cu_q, lay.cu_k, lay.row_seq,
+                          lay.q_start, lay.n_blocks, float(scale), config.l_sel, mode, tuning.encode("selection", tune),
+                          *gated)[0]
     return o.reshape(B, Tq, HQ, Dv)

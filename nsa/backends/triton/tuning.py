@@ -181,6 +181,25 @@ def by_path(tune: dict[str, Any], tma: bool) -> dict[str, Any]:
     return {**tune, "stages": STAGES_TMA if tma else STAGES_POINTERS}
 
 
+def encode(op: str, tune: Mapping[str, Any]) -> list[int]:
+    """``tune`` (``params(op, ..)``) as ints in ``KEYS[op]``'s order, the form a custom op's schema carries
+    (``nsa::*`` ops take the parameters their caller read): None -1, a bool 0/1, a choice its index in the
+    choices. :func:`decode` inverts it."""
+    out = []
+    for k, (kind, _) in KEYS[op].items():
+        v = tune[k]
+        out.append(-1 if v is None else kind.index(v) if isinstance(kind, tuple) else int(v))
+    return out
+
+
+def decode(op: str, values: list[int]) -> dict[str, Any]:
+    """The parameters of ``op`` from :func:`encode`'s ints."""
+    out = {}
+    for (k, (kind, _)), v in zip(KEYS[op].items(), values):
+        out[k] = kind[v] if isinstance(kind, tuple) else None if v == -1 else kind(v)
+    return out
+
+
 def table(where: torch.device | str) -> dict[str, dict[str, Any]]:
     """Every op's parameters (as :func:`params`): what a run used."""
     return {op: params(op, where) for op in KEYS}

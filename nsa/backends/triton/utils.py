@@ -10,11 +10,12 @@ import contextlib
 import functools
 import inspect
 import math
+from typing import NamedTuple
 
 import torch
 
 from ... import env
-from ..._compat import triton_version
+from ..._compat import assume_constant_result, triton_version
 
 LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: exp(x) = exp2(x * log2(e))
 # Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and
@@ -48,6 +49,7 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@assume_constant_result  # torch.compile: asked when tracing, a constant of the graph
 def capability(device: torch.device | int | None = None) -> tuple[int, int]:
     """(major, minor) compute capability of a CUDA device (None or no index: the current one), queried
     once per device: the launchers ask on every call."""
@@ -75,6 +77,27 @@ def descriptor(x: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block)
+
+
+class Blocks(NamedTuple):
+    """The block sizes of an ``NSAConfig`` that the kernels read: what a custom op (``nsa::*``) carries of
+    the config, as ``list(Blocks.of(config))``, and rebuilds with ``Blocks(*blocks)``."""
+
+    l: int  # noqa: E741  (the paper's name)
+    d: int
+    l_sel: int
+    n_sel: int
+    w: int
+    n_init: int
+    n_local: int
+
+    @classmethod
+    def of(cls, config) -> "Blocks":
+        return cls(config.l, config.d, config.l_sel, config.n_sel, config.w, config.n_init, config.n_local)
+
+    def n_blocks(self, T: int) -> int:
+        """Selection blocks that hold at least one of T raw tokens (``NSAConfig.n_blocks``)."""
+        return -(-T // self.l_sel)
 
 
 def default_scale(q: torch.Tensor, scale) -> float:

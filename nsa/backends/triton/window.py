@@ -9,12 +9,14 @@ parameters: ``tuning.params("window")``.
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+from typing import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
-from . import tuning
-from .attention_bwd import attention_backward
+from ..._compat import custom_op
+from . import attention_bwd, tuning
 from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, load_span, query_grid,
                     store_head_rows, visible)
 from .utils import LOG2E, default_scale, dot_precision, empty, launch_options, p2
@@ -125,14 +127,31 @@ def _forward(q, k, v, w, *, scale, q_start, tune, varlen=None):
     return o, lse
 
 
+def _window_fwd_fake(q, k, v, w, scale, q_start, tune):
+    B, Tq, HQ, _ = q.shape
+    return q.new_empty(B, Tq, HQ, v.shape[3]), q.new_empty(B, HQ, Tq, dtype=torch.float32)
+
+
+@custom_op("nsa::window_fwd", _window_fwd_fake)
+def _window_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, scale: float, q_start: int,
+                   tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_forward` of one sequence per batch row: (o, lse); ``tune`` from ``tuning.encode``."""
+    return _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.decode("window", tune))
+
+
 class WindowAttention(torch.autograd.Function):
-    """Sliding-window attention (u in [t-w+1, t]) over raw keys/values."""
+    """Sliding-window attention (u in [t-w+1, t]) over raw keys/values. By the custom ops ``nsa::window_fwd`` and
+    ``nsa::attention_bwd`` (see the package docstring); packed documents (``varlen``), whose tables no op
+    schema carries, call the functions beneath (eager only)."""
 
     @staticmethod
     def forward(ctx, q, k, v, w, scale, q_start, varlen=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.params("window", q.device),
-                          varlen=varlen)
+        tune = tuning.params("window", q.device)
+        if varlen is None:
+            o, lse = _window_fwd_op(q, k, v, int(w), float(scale), int(q_start), tuning.encode("window", tune))
+        else:
+            o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tune, varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = dict(scale=scale, q_start=q_start, stride=1, offset=0, window=w,
                         tune=tuning.params("attention_bwd", q.device), varlen=varlen)
@@ -141,7 +160,7 @@ class WindowAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, **ctx.geom)
+        dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None
 
 
