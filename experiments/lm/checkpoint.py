@@ -3,17 +3,24 @@
 ``save`` writes ``<dir>/.last.pt.tmp``, flushes it to disk and renames it over ``<dir>/last.pt``
 (``os.replace`` is atomic on POSIX): a process killed at any moment leaves either the previous
 checkpoint or the new one, never a torn file. ``peek`` reads only what an entry point needs to
-reopen the run (its ``run_id`` and ``step``) without loading the tensors into memory.
+reopen the run (its ``run_id`` and ``step``) without loading the tensors into memory. A ``last.pt``
+that is not a whole checkpoint (empty, truncated, corrupt) raises :class:`Unreadable`, saying which.
 """
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import torch
 
 NAME = "last.pt"
 FORMAT = 1
+
+
+class Unreadable(ValueError):
+    """``last.pt`` is there but is not a checkpoint (empty, truncated, corrupt): the message names it."""
 
 
 def path(ckpt_dir) -> Path:
@@ -37,14 +44,30 @@ def save(ckpt_dir, state: dict) -> Path:
     return final
 
 
+def _unreadable(p: Path, e: Exception) -> Unreadable:
+    size = p.stat().st_size
+    if size == 0:
+        what = "an empty file (0 bytes), not a checkpoint"
+    elif not zipfile.is_zipfile(p):  # torch.save writes a zip archive; its directory is at the end
+        what = f"truncated or not a checkpoint ({size} bytes, no archive directory at its end)"
+    else:
+        what = f"a corrupt checkpoint ({size} bytes; torch.load: {str(e).splitlines()[0][:200]})"
+    return Unreadable(f"{p}: {what}")
+
+
 def load(ckpt_dir, map_location="cpu", mmap: bool = False) -> dict | None:
-    """The checkpoint in ``ckpt_dir``, or None if there is none."""
+    """The checkpoint in ``ckpt_dir``, or None if there is none; :class:`Unreadable` if ``last.pt`` is
+    not a whole checkpoint."""
     p = path(ckpt_dir)
     if not p.exists():
         return None
-    state = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{p}: checkpoint format {state.get('format')!r}, this code reads {FORMAT}")
+    try:
+        state = torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise _unreadable(p, e) from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{p}: checkpoint format {found!r}, this code reads {FORMAT}")
     return state
 
 
