@@ -78,3 +78,22 @@ def test_corrupt_checkpoint_is_refused_in_one_line_and_the_run_left_as_it_was(tm
     rs = entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
     assert sorted(r.info.status for r in rs) == ["FAILED", "FINISHED"]
     assert c.get_run(before.info.run_id).info.status == "FAILED"
+
+
+# ================================================================================================
+# Item 4: output folders that cannot be written
+# ================================================================================================
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_unwritable_output_folder_is_refused_before_any_run(tmp_path, tmpfs, key):
+    """A read-only mount and a path below a regular file: one line naming the key, the folder and why,
+    exit 2, no run in the store (no parent left KILLED) and nothing written."""
+    ro = tmpfs(tmp_path / "ro", ro=True)
+    (tmp_path / "file").write_text("not a folder\n")
+    sweep = ["-m", "seq=64,128"] if key == "hydra.sweep.dir" else ["seq=64"]
+    for target, why in [(ro / "out", f"cannot write in {ro}: Read-only file system"),
+                        (tmp_path / "file" / "out", f"{tmp_path / 'file'} is a file, not a folder")]:
+        rc, out, err = wait(start(tmp_path, "decode", *DECODE, *sweep, f"{key}={target}", name=None))
+        assert rc == 2 and one_line(err) == [f"config error: {key}={target}: {why}"], err[-3000:]
+        assert out == "" and not target.exists()
+        assert not (tmp_path / "mlflow.db").exists() or _all_runs(tmp_path / "mlflow.db") == []
+        assert not (tmp_path / "outputs").exists()

@@ -1,8 +1,8 @@
 """A sweep (``-m``): expand, validate every job, open the parent run, launch, summarize from the store.
 
 Run by the Hydra sweeper plugin ``hydra_plugins/nsa_sweeper`` (``hydra/sweeper: nsa`` in conf/).
-Nothing starts unless every job's config is valid and the store and the parent run could be
-created (one line, exit 2). The contract with launchers and jobs:
+Nothing starts unless every job's config is valid, the sweep's folder (``hydra.sweep.dir``) can be
+written and the store and the parent run could be created (one line, exit 2). The contract with launchers and jobs:
 
 * each job gets its overrides plus ``++tracking.uri=<store>`` and ``++tracking.parent_run_id=<parent>``;
   a job logs one child run under that parent, tagged ``sweep_job`` (its overrides, JSON), in
@@ -119,6 +119,7 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     if sweeper.show:
         return _show(sweeper, jobs)
     prepared = _validate(sweeper, jobs, entry)
+    cli.check_writable("hydra.sweep.dir", str(cfg.hydra.sweep.dir))  # before the store and the parent run
     try:
         store = tracking.connect(prepared[0].cfg.tracking, entry, Path(cfg.hydra.runtime.cwd))
     except ConfigError as e:
