@@ -8,7 +8,11 @@ root, a folder's permission bits stop nothing, so a read-only mount is the way t
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import entrypoints
@@ -97,3 +101,81 @@ def test_unwritable_output_folder_is_refused_before_any_run(tmp_path, tmpfs, key
         assert out == "" and not target.exists()
         assert not (tmp_path / "mlflow.db").exists() or _all_runs(tmp_path / "mlflow.db") == []
         assert not (tmp_path / "outputs").exists()
+
+
+# ================================================================================================
+# Item 5: a full disk
+# ================================================================================================
+def _fill(folder: Path) -> None:
+    """Fill folder's filesystem to the last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * 4096):
+                pass
+    finally:
+        os.close(fd)
+    assert shutil.disk_usage(folder).free == 0
+
+
+def _running_child(db: Path, entry: str) -> str | None:
+    """A RUNNING child run with its params logged (its job is at work), or None."""
+    c = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    exp = c.get_experiment_by_name(f"nsa-{entry}")
+    for r in c.search_runs([exp.experiment_id]) if exp else []:
+        if "mlflow.parentRunId" in r.data.tags and r.info.status == "RUNNING" and r.data.params:
+            return r.info.run_id
+    return None
+
+
+def _no_leftovers(err: str, folder: Path, db: Path) -> list:
+    """No traceback, no logging error, no temporary file under folder, no run RUNNING: the runs."""
+    assert "Traceback" not in err and "Logging error" not in err and "unexpected pos" not in err, err[-5000:]
+    assert [p for p in folder.rglob("*") if ".tmp" in p.name] == []
+    rs = _all_runs(db)
+    assert rs and all(r.info.status != "RUNNING" for r in rs), [(r.info.run_id, r.info.status) for r in rs]
+    return rs
+
+
+def test_checkpoint_on_a_full_disk_fails_the_run_in_one_line(tmp_path, tmpfs):
+    """1 MiB holds the step-0 checkpoint of train=smoke (0.7 MiB), not a second one beside it."""
+    disk = tmpfs(tmp_path / "disk", size="1m")
+    rc, out, err = wait(start(tmp_path, "train", *TRAIN, f"hydra.run.dir={disk / 'run'}", name=None))
+    ckpt = disk / "run" / "ckpt" / "last.pt"
+    (r,) = _no_leftovers(err, disk, tmp_path / "mlflow.db")
+    why = (f"{ckpt}: cannot write the checkpoint: no space left on device "
+           f"({r.data.tags.get('error', '').split('(')[-1]}")
+    assert rc == 1 and why.endswith("MiB free there); the previous checkpoint is kept"), err[-3000:]
+    assert r.info.status == "FAILED" and r.data.tags["error"] == why
+    assert [ln for ln in one_line(err) if "FAILED:" in ln] == [f"[train] seq=256: FAILED: {why}"]
+    assert ckpt.exists()  # the step-0 checkpoint: the run resumes from it once there is room
+
+
+def test_sweep_on_a_full_disk_fails_its_jobs_in_one_line_each_and_prints_its_summary(tmp_path, tmpfs):
+    """The sweep's folder fills up while its first job runs: that job's log and CSV, the next job's
+    folder and the sweep's own files cannot be written."""
+    disk = tmpfs(tmp_path / "disk", size="1m")
+    p = start(tmp_path, "decode", *DECODE, "-m", "seq=64,128", "model.timing.repeats=1000",
+              f"hydra.sweep.dir={disk / 'sw'}", name=None)
+    t0 = time.time()
+    while _running_child(tmp_path / "mlflow.db", "decode") is None and time.time() - t0 < 240:
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    log = disk / "sw" / "0_seq64" / "decode.log"
+    with open(log, "ab") as f:  # its last page filled too: the job's next line cannot be written
+        f.write(b"-" * (-log.stat().st_size % 4096))
+    _fill(disk)
+    rc, out, err = wait(p)
+    rs = _no_leftovers(err, disk, tmp_path / "mlflow.db")
+    assert f"log file {log}: no space left on device; its later lines are on the console only" in one_line(err)
+    assert rc == 1, err[-3000:]
+    parent = next(r for r in rs if "mlflow.parentRunId" not in r.data.tags)
+    (child,) = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
+    csv = disk / "sw" / "0_seq64" / "decode.csv"
+    assert child.info.status == "FAILED" and child.data.tags["error"] == f"{csv}: no space left on device"
+    assert f"[decode] seq=64 job 0: FAILED: {csv}: no space left on device" in one_line(err)
+    assert parent.info.status == "FAILED" and "no space left on device" in parent.data.tags["error"]
+    assert any(ln.startswith("#  seq  status") for ln in out.splitlines()), out  # the summary, printed
+    assert any(ln.startswith("1  128  not run") for ln in out.splitlines()), out
+    assert "resume:  python -m experiments.decode" in out
+    assert len(one_line(err)) < 25, err

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from nsa import dispatch
 
 from . import cli, tracking
-from .config import BRANCHES, ConfigError, Job, one_line, prepare
+from .config import BRANCHES, ConfigError, Job, error_text, one_line, prepare
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
@@ -188,7 +188,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
         cli.note_closed(e, rid)
         raise
     except Exception as e:  # noqa: BLE001  (any failure fails this job only; recorded on its run)
-        err = f"{type(e).__name__}: {one_line(e)}"
+        err = error_text(e)
         log.error(f"{head}: FAILED: {err}", exc_info=not isinstance(e, JobFailure))  # traceback: log file only
         try:
             client.log_text(rid, traceback.format_exc(), "error.txt")

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, report, tracking
-from .config import ConfigError, Job, one_line, prepare
+from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
 from .job import HEADLINE, describe, job_key, launcher_name
 from .logs import say
 
@@ -142,6 +142,9 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
         except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
             if slurm is not None and launchers.left_no_result(e):
                 say(f"[{entry}] a SLURM job left no result ({one_line(e)[:160]}...); waiting for the others")
+            elif out_of_space(e):  # e.g. a job's folder or config: one line, not the traceback
+                failure = f"the launcher failed: {error_text(e)} (it writes the jobs' folders in {sweep_dir})"
+                say(f"[{entry}] {failure}")
             else:
                 failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
                 say(traceback.format_exc().rstrip())
@@ -306,7 +309,9 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
     has returned, so a child still RUNNING lost its process: it ends FAILED, and so does one that ended
     itself KILLED on the SIGTERM of a scheduler that ended its job; the reason is the scheduler's
-    (``ends``: per job key, its SLURM job id and state) where there is one."""
+    (``ends``: per job key, its SLURM job id and state) where there is one. A file of the sweep that
+    cannot be written (a full disk) is said in one line and fails the parent; the summary is printed
+    all the same."""
     ends = ends or {}
     runs = _latest(store, parent, jobs)
     for ov, r in zip(jobs, runs):
@@ -320,20 +325,24 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
         tracking.end_run(store.client, r.info.run_id, "FAILED", why)
     runs = _latest(store, parent, jobs)
     rows, charts = _rows(store, entry, jobs, runs, keys)
-    artifacts, series = [], []
-    if rows:
-        report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
-        artifacts.append(sweep_dir / f"{entry}_sweep.csv")
     by_step = bool(charts) and charts.kind == "by_step"
     data = _curves(store, jobs, runs, keys, charts.ys) if by_step else report.lines(rows, charts) if charts and rows else {}
     series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
-    if len({x for _, _, x in series}) > 1:  # a curve needs two x values
-        png = sweep_dir / f"{entry}_{'by_step' if by_step else 'vs_seq'}.png"
-        report.plot(data, "step" if by_step else charts.x, png, entry, log=not by_step)
-        artifacts.append(png)
     text = _table(jobs, runs, keys)
-    (sweep_dir / "summary.txt").write_text(text + "\n")
-    artifacts.append(sweep_dir / "summary.txt")
+    artifacts, problems = [], [failure] if failure else []
+    try:  # a full disk: said in one line; the summary is still printed and the store still updated
+        if rows:
+            report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
+            artifacts.append(sweep_dir / f"{entry}_sweep.csv")
+        if len({x for _, _, x in series}) > 1:  # a curve needs two x values
+            png = sweep_dir / f"{entry}_{'by_step' if by_step else 'vs_seq'}.png"
+            report.plot(data, "step" if by_step else charts.x, png, entry, log=not by_step)
+            artifacts.append(png)
+        report.write_text(sweep_dir / "summary.txt", text + "\n")
+        artifacts.append(sweep_dir / "summary.txt")
+    except OSError as e:
+        problems.append(f"the sweep's files could not be written: {error_text(e)}")
+        say(f"[{entry}] {problems[-1]}")
     bad = [(ov, r) for ov, r in zip(jobs, runs) if r is None or r.info.status != "FINISHED"]
     status = "FAILED" if bad else "FINISHED"
     overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
@@ -350,8 +359,8 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
             f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else _not_run(ends, ov)) for ov, r in bad)
-        if failure:
-            status, error = "FAILED", f"{failure}; {error}"
+        if problems:
+            status, error = "FAILED", "; ".join([*problems, error])
         tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
