@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -179,3 +180,34 @@ def test_sweep_on_a_full_disk_fails_its_jobs_in_one_line_each_and_prints_its_sum
     assert any(ln.startswith("1  128  not run") for ln in out.splitlines()), out
     assert "resume:  python -m experiments.decode" in out
     assert len(one_line(err)) < 25, err
+
+
+def test_store_on_a_full_disk_fails_the_job_in_one_line_and_prints_the_summary(tmp_path, tmpfs):
+    """The SQLite store's disk fills up while the sweep's first job runs, to 40 KiB short of full (room
+    for a run's small writes, not for a job's results): what could not be stored is said in one line,
+    the runs end FAILED with that reason, and what the console says is what the store holds."""
+    disk = tmpfs(tmp_path / "store", size="2m")
+    db = disk / "mlflow.db"
+    entrypoints.make_template(db)
+    p = start(tmp_path, "decode", *DECODE, "-m", "seq=64,128", "model.timing.repeats=1000",
+              f"tracking.uri=sqlite:///{db}", name="sw", store=False)
+    t0 = time.time()
+    while _running_child(db, "decode") is None and time.time() - t0 < 240:
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    _fill(disk)
+    os.truncate(disk / "filler", (disk / "filler").stat().st_size - 40 * 1024)
+    rc, out, err = wait(p)
+    (disk / "filler").unlink()
+    rs = _no_leftovers(err, tmp_path / "out", db)
+    assert rc == 1 and len(one_line(err)) < 20, err[-5000:]
+    reason = f"tracking store sqlite:///{db}: no space left on device (SQLite: database or disk is full)"
+    parent = next(r for r in rs if "mlflow.parentRunId" not in r.data.tags)
+    kids = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
+    assert parent.info.status == "FAILED" and parent.data.tags["error"].startswith(reason)
+    assert [r.data.tags.get("error") for r in kids if r.info.status == "FAILED"][:1] == [reason], kids
+    for r in kids:  # the console reports each run as the store has it (a job once ended FINISHED unreported)
+        assert re.search(rf"job \d: {r.info.status} in .* run {r.info.run_id}$", err, re.M), (r.info.status, err)
+        if r.info.status == "FAILED":
+            assert re.search(rf"job \d: FAILED: {re.escape(reason)}$", err, re.M), err
+    assert any(ln.startswith("#  seq  status") for ln in out.splitlines()), out  # the summary, printed

@@ -166,12 +166,13 @@ def _interrupted(store, parent: str, entry: str, slurm, e: KeyboardInterrupt) ->
         why += f"; the sweep cancelled SLURM jobs {', '.join(j.job_id for j in cancelled)}"
         say(f"[{entry}] {why}; waiting up to {CANCEL_WAIT_S} s for them to end")
         slurm.wait_ended(cancelled, CANCEL_WAIT_S)
-    for r in tracking.children(store.client, store.experiment_id, parent):
-        if r.info.status == "RUNNING":
-            tracking.end_run(store.client, r.info.run_id, "KILLED", why)
-            cli.note_closed(e, r.info.run_id)
-    tracking.end_run(store.client, parent, "KILLED", why)
-    cli.note_closed(e, parent)
+    for rid in [r.info.run_id for r in tracking.children(store.client, store.experiment_id, parent)
+                if r.info.status == "RUNNING"] + [parent]:
+        try:
+            tracking.end_run(store.client, rid, "KILLED", why)
+            cli.note_closed(e, rid)
+        except tracking.StoreError as err:
+            say(f"[{entry}] {err}")
 
 
 def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list[str], launcher: str) -> str:
@@ -244,10 +245,10 @@ def _latest(store, parent: str, jobs: list[list[str]]) -> list:
     return [latest.get(frozenset(job_key(ov))) for ov in jobs]
 
 
-def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str]) -> tuple[list[dict], object]:
+def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str], stored) -> tuple[list[dict], object]:
     """The jobs' CSV rows from their runs' artifacts (with job_overrides, job_status, run_id, and the
     ``_series`` the charts tell lines apart by), and the charts the jobs named. Each child is renamed
-    after the values that vary in the sweep."""
+    after the values that vary in the sweep (through ``stored``, which reports a store that fails)."""
     from mlflow.exceptions import MlflowException
 
     rows, charts = [], None
@@ -255,7 +256,7 @@ def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str])
         for ov, r in zip(jobs, runs):
             if r is None:
                 continue
-            store.client.set_tag(r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
+            stored(store.client.set_tag, r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
             try:
                 got = report.read_csv(Path(store.client.download_artifacts(r.info.run_id, f"{entry}.csv", tmp)))
             except (MlflowException, OSError):  # a job that failed before writing its CSV
@@ -312,7 +313,17 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     (``ends``: per job key, its SLURM job id and state) where there is one. A file of the sweep that
     cannot be written (a full disk) is said in one line and fails the parent; the summary is printed
     all the same."""
-    ends = ends or {}
+    ends, unstored = ends or {}, []
+
+    def stored(write, *args) -> None:  # a store that fails (a full disk): said once; the summary goes on
+        try:
+            with tracking.writing(store.client):
+                write(*args)
+        except tracking.StoreError as e:
+            if not unstored:
+                say(f"[{entry}] the sweep's results are not all in the store: {e}")
+            unstored.append(str(e))
+
     runs = _latest(store, parent, jobs)
     for ov, r in zip(jobs, runs):
         end = ends.get(frozenset(job_key(ov)))
@@ -322,9 +333,9 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
         why = launchers.reason(*end) if end else failure or "the job ended without ending its run (its process was killed?)"
         if r.info.status == "KILLED":
             why += f" (the job: {r.data.tags.get('error', 'KILLED')})"
-        tracking.end_run(store.client, r.info.run_id, "FAILED", why)
+        stored(tracking.end_run, store.client, r.info.run_id, "FAILED", why)
     runs = _latest(store, parent, jobs)
-    rows, charts = _rows(store, entry, jobs, runs, keys)
+    rows, charts = _rows(store, entry, jobs, runs, keys, stored)
     by_step = bool(charts) and charts.kind == "by_step"
     data = _curves(store, jobs, runs, keys, charts.ys) if by_step else report.lines(rows, charts) if charts and rows else {}
     series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
@@ -350,18 +361,22 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     wall = time.perf_counter() - t0  # the figure the console reports, too
     where, placed = launchers.placement(runs, int((time.time() - wall) * 1000))
     try:
-        tracking.log_batch(store.client, parent, metrics={
+        stored(tracking.log_batch, store.client, parent, {
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov, **placed})
-        tracking.log_series(store.client, parent, _new_points(store.client, parent, series))
+        stored(lambda: tracking.log_series(store.client, parent, _new_points(store.client, parent, series)))
         for a in artifacts:
-            store.client.log_artifact(parent, str(a))
+            stored(store.client.log_artifact, parent, str(a))
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
             f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else _not_run(ends, ov)) for ov, r in bad)
+        problems += unstored[:1]
         if problems:
             status, error = "FAILED", "; ".join([*problems, error])
-        tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
+        try:
+            tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
+        except tracking.StoreError as e:
+            say(f"[{entry}] {e}")
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
     say(f"[{entry}] {where}")
