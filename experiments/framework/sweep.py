@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -130,13 +131,14 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     else:
         parent, todo = _new_parent(store, entry, prepared[0], jobs, keys, launcher_name(cfg.hydra)), jobs
     sweep_dir = Path(cfg.hydra.sweep.dir)
-    say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
-        + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-    extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+    resume = resume_command(entry, parent, sweep_dir, cfg.hydra.sweep)
     returns, failure, ends, slurm = [], None, {}, launchers.SlurmLaunch.of(sweeper.launcher)
     try:
+        say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
+            + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
+        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
         try:
             returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
         except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
@@ -150,24 +152,38 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
                 say(traceback.format_exc().rstrip())
         if slurm is not None:  # every job SLURM still holds, and how SLURM ended each
             ends = {frozenset(job_key(ov)): end for ov, end in zip(todo, slurm.wait())}
+        _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure, ends, resume)
     except KeyboardInterrupt as e:
         _interrupted(store, parent, entry, slurm, e)
+        print(f"resume:  {resume}", flush=True)
         raise
-    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure, ends)
     return returns
 
 
+def resume_command(entry: str, parent: str, sweep_dir: Path, sweep_cfg=None) -> str:
+    """The command that runs the sweep's unfinished jobs into the same parent: this one's arguments with
+    ``hydra.sweeper.resume=<parent>``, and ``hydra.sweep.dir=<this sweep's folder>`` where each job's
+    folder is named by its overrides (a train job continues from the checkpoint in it). Where job folders
+    are numbered (``hydra.job.num``) a new folder is used: a resumed sweep numbers its jobs anew, and a
+    job would write into another's folder."""
+    subdir = OmegaConf.to_container(sweep_cfg, resolve=False).get("subdir") if sweep_cfg else "hydra.job.num"
+    args = [a for a in sys.argv[1:] if "sweeper.resume" not in a]
+    if "hydra.job.num" not in str(subdir):
+        args = [a for a in args if a.partition("=")[0].lstrip("+~") != "hydra.sweep.dir"] + [f"hydra.sweep.dir={sweep_dir}"]
+    return shlex.join(["python", "-m", f"experiments.{entry}", *args, f"hydra.sweeper.resume={parent}"])
+
+
 def _interrupted(store, parent: str, entry: str, slurm, e: KeyboardInterrupt) -> None:
-    """SIGINT/SIGTERM while the launcher runs: SLURM's jobs of the sweep cancelled (waited for a while),
-    the runs still RUNNING and the parent ended KILLED."""
+    """SIGINT/SIGTERM while the sweep runs: SLURM's jobs of the sweep cancelled (waited for a while),
+    the runs still RUNNING and the parent ended KILLED. The caller prints the command that resumes it."""
     why = cli.interrupt_reason(e)
     cancelled = slurm.cancel() if slurm is not None else []
     if cancelled:
         why += f"; the sweep cancelled SLURM jobs {', '.join(j.job_id for j in cancelled)}"
         say(f"[{entry}] {why}; waiting up to {CANCEL_WAIT_S} s for them to end")
         slurm.wait_ended(cancelled, CANCEL_WAIT_S)
-    for rid in [r.info.run_id for r in tracking.children(store.client, store.experiment_id, parent)
-                if r.info.status == "RUNNING"] + [parent]:
+    running = [*tracking.children(store.client, store.experiment_id, parent), store.client.get_run(parent)]
+    for rid in [r.info.run_id for r in running if r.info.status == "RUNNING"]:  # the parent last
         try:
             tracking.end_run(store.client, rid, "KILLED", why)
             cli.note_closed(e, rid)
@@ -305,7 +321,7 @@ def _not_run(ends: dict, ov: list[str]) -> str:
 
 
 def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
-            t0: float, failure: str | None = None, ends: dict | None = None) -> None:
+            t0: float, failure: str | None = None, ends: dict | None = None, resume: str | None = None) -> None:
     """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
     parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
     has returned, so a child still RUNNING lost its process: it ends FAILED, and so does one that ended
@@ -382,6 +398,5 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] {where}")
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
     if status == "FAILED":
-        print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "
-              f"hydra.sweeper.resume={parent}")
+        print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")
         raise SystemExit(1)
