@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
 from .framework.config import one_line
+from .lm import checkpoint
 from .lm.loop import RunConfig, parameter_counts, resumable, train
 
 log = logging.getLogger("experiments.train")
@@ -53,6 +54,9 @@ def earlier_run(job: Job) -> str | None:
     """The run a checkpoint in the job's output directory belongs to (it is continued), or None."""
     try:
         found = resumable(run_config(job), job.out_dir / "ckpt")
+    except checkpoint.Unreadable as e:  # the run it belongs to stays as it was
+        where = "hydra.sweep.dir" if job.cfg.tracking.get("parent_run_id") else "hydra.run.dir"
+        raise ConfigError(f"{e}; to start afresh, delete it or choose another {where}") from e
     except ValueError as e:
         raise ConfigError(f"{job.out_dir / 'ckpt'}: {one_line(e)}") from e
     return found["run_id"] if found else None

@@ -4,6 +4,7 @@ resumed sweep. Real subprocesses; all sweeps of a fixture start at once."""
 from __future__ import annotations
 
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,3 +145,36 @@ def test_first_sweeps_at_once_lose_nothing(races, n, trial):
     assert len(parents) == n and len(kids) == n
     assert {r.data.tags["mlflow.parentRunId"] for r in kids} == parents
     assert {r.info.status for r in rs} == {"FINISHED"}
+
+
+def test_sigterm_prints_the_command_that_runs_the_rest(tmp_path):
+    """A decode sweep stopped by SIGTERM in its first job prints one command; run as printed, it reruns
+    that job and runs the next into the same parent, which then ends FINISHED."""
+    args = ["hardware=cpu", "-m", "seq=64,128", "model.timing.repeats=2000", "decode.per_branch=false"]
+    entrypoints.make_template(tmp_path / "mlflow.db")
+    _running(tmp_path)  # this process's client opened first: a poll then sees the job as it is
+    p = start(tmp_path, "decode", *args, name=None)
+    t0, got = time.time(), None
+    while got is None and time.time() - t0 < 240:
+        assert p.poll() is None, p.communicate()
+        got = _running(tmp_path)
+        time.sleep(0.2)
+    assert got is not None and p.poll() is None, "the sweep's first job never started"
+    p.send_signal(signal.SIGTERM)
+    rc, out, err = wait(p)
+    parent, child = got
+    assert rc == 143 and one_line(err)[-1] == f"[decode] interrupted by SIGTERM: run(s) {child}, {parent} ended KILLED", err
+    (cmd,) = [ln.removeprefix("resume:  ") for ln in out.splitlines() if ln.startswith("resume:")]
+    assert cmd == (f"python -m experiments.decode hardware=cpu seq=64,128 model.timing.repeats=2000 "
+                   f"decode.per_branch=false tracking.uri=sqlite:///{tmp_path / 'mlflow.db'} -m "
+                   f"hydra.sweeper.resume={parent}")
+    c, rs = entrypoints.runs(tmp_path / "mlflow.db", "decode")
+    assert {r.info.status for r in rs} == {"KILLED"} and len(rs) == 2
+
+    done = subprocess.run([sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env=entrypoints.env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    c, rs = entrypoints.runs(tmp_path / "mlflow.db", "decode")
+    assert c.get_run(parent).info.status == "FINISHED" and all(r.info.status != "RUNNING" for r in rs)
+    kids = sorted((r.data.params["seq"], r.info.status) for r in rs if r.info.run_id != parent)
+    assert kids == [("128", "FINISHED"), ("64", "FINISHED"), ("64", "KILLED")]

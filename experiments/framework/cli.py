@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from .logs import say
 
 MULTIRUN = ("-m", "--multirun")
 SHOW_ONLY = ("-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion")
+NO_RUN = (*SHOW_ONLY, "-c", "--cfg")  # flags that print instead of running: no output folder is made
 OTHER_CONFIG = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 
@@ -133,7 +135,8 @@ def config_dirs(argv: list[str]) -> list[Path]:
 
 def precheck(argv: list[str], entry: str) -> None:
     """Before Hydra: every override parses, group options exist, the config composes with the
-    overrides that are not sweeps (the sweeper checks each job's). One line and exit 2 otherwise."""
+    overrides that are not sweeps (the sweeper checks each job's), and a single run's folder
+    (``hydra.run.dir``) can be written. One line and exit 2 otherwise."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -170,9 +173,31 @@ def precheck(argv: list[str], entry: str) -> None:
             base = compose(config_name=entry, overrides=chosen)
             for arg in (a for a in argv if _is_override(a)):
                 _known_key(parser.parse_override(arg).get_key_element(), arg, base, known, entry)
-            compose(config_name=entry, overrides=plain, return_hydra_config=True)
+            cfg = compose(config_name=entry, overrides=plain, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         config_exit(hydra_message(e))
+    if not multirun and not any(a in NO_RUN for a in argv):  # a sweep checks hydra.sweep.dir itself
+        try:
+            run_dir = str(cfg.hydra.run.dir)
+        except OmegaConfBaseException:  # resolved by Hydra alone (e.g. from the job's overrides)
+            return
+        check_writable("hydra.run.dir", run_dir)
+
+
+def check_writable(key: str, folder: str) -> None:
+    """Files can be created in ``folder``, or where it does not exist yet, in the nearest folder above
+    it (where it will be made). A real write, not a look at permission bits: a read-only filesystem
+    refuses root too. One line and exit 2 otherwise, before anything is created."""
+    at = Path(folder).absolute()
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        config_exit(f"{key}={folder}: {at} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=at):
+            pass
+    except OSError as e:
+        config_exit(f"{key}={folder}: cannot write in {at}: {e.strerror}")
 
 
 def _keys(cfg, prefix: str = "") -> list[str]:

@@ -7,7 +7,9 @@ ConfigErrors: anything else raised here is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,31 @@ class Job:
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
+
+
+def out_of_space(e: BaseException | None) -> str | None:
+    """"no space left on device" (or the quota's words) where ``e``, or an error it came from, says the
+    disk is full; SQLite's "database or disk is full" too. None otherwise."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return os.strerror(e.errno).lower()
+        if "database or disk is full" in str(e):
+            return "no space left on device (SQLite: database or disk is full)"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def error_text(e: BaseException) -> str:
+    """A failure in one line: ``<type>: <message>``; a full disk as ``<file>: no space left on device``
+    (the message alone where it already says so, e.g. a checkpoint's)."""
+    full = out_of_space(e)
+    if full and isinstance(e, OSError) and e.errno:  # the OS's own error
+        return f"{e.filename}: {full}" if e.filename else full
+    if full and full.split(" (")[0] in str(e).lower():
+        return one_line(e)
+    return f"{type(e).__name__}: {one_line(e)}"
 
 
 # Typed keys of each section (checked where the section exists: decode.* only for the decode entry).

@@ -11,7 +11,10 @@
    directory names its run) reopens that run instead of creating one.
 3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
    run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
-   job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1.
+   job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1. A store that fails once
+   the run is open (a full disk: ``tracking.StoreError``) fails the job in one line naming the store,
+   and the run ends FAILED with it where the store still takes that (else the line says what is left
+   and the ``close_stale`` command).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from nsa import dispatch
 
 from . import cli, tracking
-from .config import BRANCHES, ConfigError, Job, one_line, prepare
+from .config import BRANCHES, ConfigError, Job, error_text, one_line, prepare
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
@@ -61,11 +64,13 @@ class Run:
     resumed: bool = False        # reopened: an earlier process of this job left it (run_job's ``resume``)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Metrics at ``step``, stored before this returns."""
-        tracking.log_batch(self.client, self.id, metrics=metrics, step=step)
+        """Metrics at ``step``, stored before this returns (tracking.StoreError where the store fails)."""
+        with tracking.writing(self.client):
+            tracking.log_batch(self.client, self.id, metrics=metrics, step=step)
 
     def log_params(self, params: dict) -> None:
-        tracking.log_batch(self.client, self.id, params=params)
+        with tracking.writing(self.client):
+            tracking.log_batch(self.client, self.id, params=params)
 
     def history(self, key: str) -> list[tuple[int, float]]:
         """``(step, value)`` of metric ``key`` as stored (an earlier process's points too), by step."""
@@ -144,11 +149,20 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
     name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
     client = store.client
-    if earlier is None:
-        rid = tracking.start_run(store, name, parent, tags)
-    else:
-        rid = earlier.info.run_id
-        tracking.reopen(client, rid)
+    try:
+        with tracking.writing(client):
+            if earlier is None:
+                rid = tracking.start_run(store, name, parent, tags)
+            else:
+                rid = earlier.info.run_id
+                tracking.reopen(client, rid)
+    except tracking.StoreError as e:  # no run to record it on: a single run stops as before any run
+        if parent is None:
+            if hc:
+                _remove_empty_output_dir(hc)
+            cli.config_exit(f"{e}; no run was started")
+        log.error(f"{head}: FAILED: {e}; no run was created")
+        return None
     job.run = Run(rid, client, resumed=earlier is not None)
     if parent is None:
         log.info(f"[{entry}] tracking store {store.describe()}; run {rid}" + (" (resumed)" if earlier else ""))
@@ -162,7 +176,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             params = {k: v for k, v in params.items() if k not in old}
             tags.update(resumed=str(int(earlier.data.tags.get("resumed", "0")) + 1), sweep_job=json.dumps(key),
                         **({"resumed_changes": "; ".join(changed)} if changed else {}))
-        tracking.log_batch(client, rid, params=params, tags=tags)
+        with tracking.writing(client):
+            tracking.log_batch(client, rid, params=params, tags=tags)
         for n in job.policy_notes:
             log.info(f"{head}: backend policy {n}")
         log.info(f"{head}: {job.profile_note}; backends {job.plan}; branch_force={job.branch}; {job.device}/{job.cfg.dtype}")
@@ -175,10 +190,11 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
                 res = work(job)
             finally:
                 work_s = time.perf_counter() - t_work
-                tracking.log_batch(client, rid, tags={
-                    **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
-                    "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
-                    "fallbacks": "; ".join(rec.fallbacks) or "none"})
+                with tracking.writing(client):
+                    tracking.log_batch(client, rid, tags={
+                        **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
+                        "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
+                        "fallbacks": "; ".join(rec.fallbacks) or "none"})
         _log_result(client, rid, job, res, work_s, out_dir)
         if res.failure:
             raise JobFailure(res.failure)
@@ -188,19 +204,27 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
         cli.note_closed(e, rid)
         raise
     except Exception as e:  # noqa: BLE001  (any failure fails this job only; recorded on its run)
-        err = f"{type(e).__name__}: {one_line(e)}"
+        err = error_text(e)
         log.error(f"{head}: FAILED: {err}", exc_info=not isinstance(e, JobFailure))  # traceback: log file only
         try:
-            client.log_text(rid, traceback.format_exc(), "error.txt")
+            if not isinstance(e, tracking.StoreError):  # the store just failed: its traceback is in the log file
+                client.log_text(rid, traceback.format_exc(), "error.txt")
         except Exception as e2:  # noqa: BLE001  (the store itself failing: still end the run below)
             log.error(f"{head}: could not record the error on the run: {one_line(e2)}")
     finally:
         overhead = time.perf_counter() - t0 - work_s
         try:
             if status != "KILLED":
-                tracking.log_batch(client, rid, metrics={"framework_overhead_s": overhead}, step=job.seq)
-        finally:
+                with tracking.writing(client):
+                    tracking.log_batch(client, rid, metrics={"framework_overhead_s": overhead}, step=job.seq)
+        except tracking.StoreError as e:  # the job is not recorded whole: it did not finish
+            if status == "FINISHED":
+                status, err = "FAILED", str(e)
+                log.error(f"{head}: FAILED: {err}")
+        try:
             tracking.end_run(client, rid, status, err)
+        except tracking.StoreError as e:
+            log.error(f"{head}: {e}")
     log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {work_s:.2f} s, "
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
     if status != "FINISHED" and parent is None:
@@ -245,15 +269,17 @@ def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Pat
     metrics = {**res.metrics, **{HEADLINE + k: v for k, v in res.headline.items()},
                "seq": float(job.seq), "measured_work_s": work_s}
     tags = {**res.tags, **({"charts": res.charts.to_tag()} if res.charts else {})}
-    tracking.log_batch(client, rid, metrics=metrics, step=job.seq, tags=tags)
-    for path, text in res.texts.items():
-        client.log_text(rid, text, path)
+    with tracking.writing(client):
+        tracking.log_batch(client, rid, metrics=metrics, step=job.seq, tags=tags)
+        for path, text in res.texts.items():
+            client.log_text(rid, text, path)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / f"{job.entry}.csv", res.rows)
-    client.log_artifact(rid, str(out / f"{job.entry}.csv"))
-    client.log_text(rid, OmegaConf.to_yaml(job.cfg, resolve=True), "config.yaml")
-    client.log_dict(rid, {**tracking.environment(job.dev), "hardware_profile": OmegaConf.to_container(job.profile),
-                          "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
+    with tracking.writing(client):
+        client.log_artifact(rid, str(out / f"{job.entry}.csv"))
+        client.log_text(rid, OmegaConf.to_yaml(job.cfg, resolve=True), "config.yaml")
+        client.log_dict(rid, {**tracking.environment(job.dev), "hardware_profile": OmegaConf.to_container(job.profile),
+                              "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
 
 
 def _failed_validation(cfg, entry, launch_dir, parent, key, tags, e: ConfigError) -> None:
@@ -261,5 +287,9 @@ def _failed_validation(cfg, entry, launch_dir, parent, key, tags, e: ConfigError
     matched the launching host, not this one): a FAILED child run that says why."""
     log.error(f"[{entry}] config error: {e}")
     store = tracking.connect(cfg.tracking, entry, launch_dir)
-    rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, tags)
-    tracking.end_run(store.client, rid, "FAILED", f"ConfigError: {e}")
+    try:
+        with tracking.writing(store.client):
+            rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, tags)
+        tracking.end_run(store.client, rid, "FAILED", f"ConfigError: {e}")
+    except tracking.StoreError as e2:
+        log.error(f"[{entry}] {e2}")

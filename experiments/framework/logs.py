@@ -20,3 +20,21 @@ class OneLine(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return record.getMessage()
+
+
+class FileHandler(logging.FileHandler):
+    """A job's log file. A write that fails (a full disk) is said once, in one line, and the file gets
+    no more records; the console keeps them all (logging's default prints a traceback per record)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if self.failed or not isinstance(e, OSError) or not e.strerror:
+            return super().handleError(record)
+        self.failed = True
+        say(f"log file {self.baseFilename}: {e.strerror.lower()}; its later lines are on the console only")

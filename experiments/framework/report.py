@@ -7,6 +7,7 @@ whichever launcher ran the jobs.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -34,17 +35,36 @@ class Charts:
         return Charts(d["x"], d["series"], tuple(d["ys"]), d.get("kind", "rows"))
 
 
+@contextlib.contextmanager
+def replacing(path: Path, tmp: Path):
+    """Write ``tmp`` in the block, then rename it over ``path``: the file is complete or as it was. A
+    failure (a full disk) removes ``tmp``; an OS error that names no file names ``path``."""
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError) and e.errno and not e.filename:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     """Write rows atomically (temporary file, then rename): a CSV is complete or absent."""
     cols: list[str] = []
     for r in rows:
         cols += [k for k in r if k not in cols]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with replacing(path, path.with_suffix(path.suffix + ".tmp")) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write text atomically, as :func:`write_csv`."""
+    with replacing(path, path.with_suffix(path.suffix + ".tmp")) as tmp:
+        tmp.write_text(text)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -122,9 +142,8 @@ def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path
         if ls:
             ax.legend(fontsize=7, **({"loc": "upper left", "bbox_to_anchor": (1.01, 1.0)} if many else {}))
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    with replacing(path, path.with_name(path.stem + ".tmp.png")) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

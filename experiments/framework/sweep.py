@@ -1,8 +1,8 @@
 """A sweep (``-m``): expand, validate every job, open the parent run, launch, summarize from the store.
 
 Run by the Hydra sweeper plugin ``hydra_plugins/nsa_sweeper`` (``hydra/sweeper: nsa`` in conf/).
-Nothing starts unless every job's config is valid and the store and the parent run could be
-created (one line, exit 2). The contract with launchers and jobs:
+Nothing starts unless every job's config is valid, the sweep's folder (``hydra.sweep.dir``) can be
+written and the store and the parent run could be created (one line, exit 2). The contract with launchers and jobs:
 
 * each job gets its overrides plus ``++tracking.uri=<store>`` and ``++tracking.parent_run_id=<parent>``;
   a job logs one child run under that parent, tagged ``sweep_job`` (its overrides, JSON), in
@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, report, tracking
-from .config import ConfigError, Job, one_line, prepare
+from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
 from .job import HEADLINE, describe, job_key, launcher_name
 from .logs import say
 
@@ -119,6 +120,7 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     if sweeper.show:
         return _show(sweeper, jobs)
     prepared = _validate(sweeper, jobs, entry)
+    cli.check_writable("hydra.sweep.dir", str(cfg.hydra.sweep.dir))  # before the store and the parent run
     try:
         store = tracking.connect(prepared[0].cfg.tracking, entry, Path(cfg.hydra.runtime.cwd))
     except ConfigError as e:
@@ -129,45 +131,64 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
     else:
         parent, todo = _new_parent(store, entry, prepared[0], jobs, keys, launcher_name(cfg.hydra)), jobs
     sweep_dir = Path(cfg.hydra.sweep.dir)
-    say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
-        + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-    extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+    resume = resume_command(entry, parent, sweep_dir, cfg.hydra.sweep)
     returns, failure, ends, slurm = [], None, {}, launchers.SlurmLaunch.of(sweeper.launcher)
     try:
+        say(f"[{entry}] sweep of {len(jobs)} jobs validated" + (f", {len(todo)} to run" if sweeper.resume else "")
+            + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
+        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
         try:
             returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
         except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
             if slurm is not None and launchers.left_no_result(e):
                 say(f"[{entry}] a SLURM job left no result ({one_line(e)[:160]}...); waiting for the others")
+            elif out_of_space(e):  # e.g. a job's folder or config: one line, not the traceback
+                failure = f"the launcher failed: {error_text(e)} (it writes the jobs' folders in {sweep_dir})"
+                say(f"[{entry}] {failure}")
             else:
                 failure = f"the launcher failed: {type(e).__name__}: {one_line(e)}"
                 say(traceback.format_exc().rstrip())
         if slurm is not None:  # every job SLURM still holds, and how SLURM ended each
             ends = {frozenset(job_key(ov)): end for ov, end in zip(todo, slurm.wait())}
+        _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure, ends, resume)
     except KeyboardInterrupt as e:
         _interrupted(store, parent, entry, slurm, e)
+        print(f"resume:  {resume}", flush=True)
         raise
-    _finish(store, parent, entry, jobs, keys, sweep_dir, t0, failure, ends)
     return returns
 
 
+def resume_command(entry: str, parent: str, sweep_dir: Path, sweep_cfg=None) -> str:
+    """The command that runs the sweep's unfinished jobs into the same parent: this one's arguments with
+    ``hydra.sweeper.resume=<parent>``, and ``hydra.sweep.dir=<this sweep's folder>`` where each job's
+    folder is named by its overrides (a train job continues from the checkpoint in it). Where job folders
+    are numbered (``hydra.job.num``) a new folder is used: a resumed sweep numbers its jobs anew, and a
+    job would write into another's folder."""
+    subdir = OmegaConf.to_container(sweep_cfg, resolve=False).get("subdir") if sweep_cfg else "hydra.job.num"
+    args = [a for a in sys.argv[1:] if "sweeper.resume" not in a]
+    if "hydra.job.num" not in str(subdir):
+        args = [a for a in args if a.partition("=")[0].lstrip("+~") != "hydra.sweep.dir"] + [f"hydra.sweep.dir={sweep_dir}"]
+    return shlex.join(["python", "-m", f"experiments.{entry}", *args, f"hydra.sweeper.resume={parent}"])
+
+
 def _interrupted(store, parent: str, entry: str, slurm, e: KeyboardInterrupt) -> None:
-    """SIGINT/SIGTERM while the launcher runs: SLURM's jobs of the sweep cancelled (waited for a while),
-    the runs still RUNNING and the parent ended KILLED."""
+    """SIGINT/SIGTERM while the sweep runs: SLURM's jobs of the sweep cancelled (waited for a while),
+    the runs still RUNNING and the parent ended KILLED. The caller prints the command that resumes it."""
     why = cli.interrupt_reason(e)
     cancelled = slurm.cancel() if slurm is not None else []
     if cancelled:
         why += f"; the sweep cancelled SLURM jobs {', '.join(j.job_id for j in cancelled)}"
         say(f"[{entry}] {why}; waiting up to {CANCEL_WAIT_S} s for them to end")
         slurm.wait_ended(cancelled, CANCEL_WAIT_S)
-    for r in tracking.children(store.client, store.experiment_id, parent):
-        if r.info.status == "RUNNING":
-            tracking.end_run(store.client, r.info.run_id, "KILLED", why)
-            cli.note_closed(e, r.info.run_id)
-    tracking.end_run(store.client, parent, "KILLED", why)
-    cli.note_closed(e, parent)
+    running = [*tracking.children(store.client, store.experiment_id, parent), store.client.get_run(parent)]
+    for rid in [r.info.run_id for r in running if r.info.status == "RUNNING"]:  # the parent last
+        try:
+            tracking.end_run(store.client, rid, "KILLED", why)
+            cli.note_closed(e, rid)
+        except tracking.StoreError as err:
+            say(f"[{entry}] {err}")
 
 
 def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list[str], launcher: str) -> str:
@@ -240,10 +261,10 @@ def _latest(store, parent: str, jobs: list[list[str]]) -> list:
     return [latest.get(frozenset(job_key(ov))) for ov in jobs]
 
 
-def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str]) -> tuple[list[dict], object]:
+def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str], stored) -> tuple[list[dict], object]:
     """The jobs' CSV rows from their runs' artifacts (with job_overrides, job_status, run_id, and the
     ``_series`` the charts tell lines apart by), and the charts the jobs named. Each child is renamed
-    after the values that vary in the sweep."""
+    after the values that vary in the sweep (through ``stored``, which reports a store that fails)."""
     from mlflow.exceptions import MlflowException
 
     rows, charts = [], None
@@ -251,7 +272,7 @@ def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str])
         for ov, r in zip(jobs, runs):
             if r is None:
                 continue
-            store.client.set_tag(r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
+            stored(store.client.set_tag, r.info.run_id, "mlflow.runName", f"{entry} {label(ov, keys)}")
             try:
                 got = report.read_csv(Path(store.client.download_artifacts(r.info.run_id, f"{entry}.csv", tmp)))
             except (MlflowException, OSError):  # a job that failed before writing its CSV
@@ -300,13 +321,25 @@ def _not_run(ends: dict, ov: list[str]) -> str:
 
 
 def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[str], sweep_dir: Path,
-            t0: float, failure: str | None = None, ends: dict | None = None) -> None:
+            t0: float, failure: str | None = None, ends: dict | None = None, resume: str | None = None) -> None:
     """The sweep's results, from the store: its CSV, charts (an image, and metrics stepped by x on the
     parent), the summary; the parent ends FINISHED, or FAILED with the counts (exit 1). The launcher
     has returned, so a child still RUNNING lost its process: it ends FAILED, and so does one that ended
     itself KILLED on the SIGTERM of a scheduler that ended its job; the reason is the scheduler's
-    (``ends``: per job key, its SLURM job id and state) where there is one."""
-    ends = ends or {}
+    (``ends``: per job key, its SLURM job id and state) where there is one. A file of the sweep that
+    cannot be written (a full disk) is said in one line and fails the parent; the summary is printed
+    all the same."""
+    ends, unstored = ends or {}, []
+
+    def stored(write, *args) -> None:  # a store that fails (a full disk): said once; the summary goes on
+        try:
+            with tracking.writing(store.client):
+                write(*args)
+        except tracking.StoreError as e:
+            if not unstored:
+                say(f"[{entry}] the sweep's results are not all in the store: {e}")
+            unstored.append(str(e))
+
     runs = _latest(store, parent, jobs)
     for ov, r in zip(jobs, runs):
         end = ends.get(frozenset(job_key(ov)))
@@ -316,23 +349,27 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
         why = launchers.reason(*end) if end else failure or "the job ended without ending its run (its process was killed?)"
         if r.info.status == "KILLED":
             why += f" (the job: {r.data.tags.get('error', 'KILLED')})"
-        tracking.end_run(store.client, r.info.run_id, "FAILED", why)
+        stored(tracking.end_run, store.client, r.info.run_id, "FAILED", why)
     runs = _latest(store, parent, jobs)
-    rows, charts = _rows(store, entry, jobs, runs, keys)
-    artifacts, series = [], []
-    if rows:
-        report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
-        artifacts.append(sweep_dir / f"{entry}_sweep.csv")
+    rows, charts = _rows(store, entry, jobs, runs, keys, stored)
     by_step = bool(charts) and charts.kind == "by_step"
     data = _curves(store, jobs, runs, keys, charts.ys) if by_step else report.lines(rows, charts) if charts and rows else {}
     series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
-    if len({x for _, _, x in series}) > 1:  # a curve needs two x values
-        png = sweep_dir / f"{entry}_{'by_step' if by_step else 'vs_seq'}.png"
-        report.plot(data, "step" if by_step else charts.x, png, entry, log=not by_step)
-        artifacts.append(png)
     text = _table(jobs, runs, keys)
-    (sweep_dir / "summary.txt").write_text(text + "\n")
-    artifacts.append(sweep_dir / "summary.txt")
+    artifacts, problems = [], [failure] if failure else []
+    try:  # a full disk: said in one line; the summary is still printed and the store still updated
+        if rows:
+            report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
+            artifacts.append(sweep_dir / f"{entry}_sweep.csv")
+        if len({x for _, _, x in series}) > 1:  # a curve needs two x values
+            png = sweep_dir / f"{entry}_{'by_step' if by_step else 'vs_seq'}.png"
+            report.plot(data, "step" if by_step else charts.x, png, entry, log=not by_step)
+            artifacts.append(png)
+        report.write_text(sweep_dir / "summary.txt", text + "\n")
+        artifacts.append(sweep_dir / "summary.txt")
+    except OSError as e:
+        problems.append(f"the sweep's files could not be written: {error_text(e)}")
+        say(f"[{entry}] {problems[-1]}")
     bad = [(ov, r) for ov, r in zip(jobs, runs) if r is None or r.info.status != "FINISHED"]
     status = "FAILED" if bad else "FINISHED"
     overheads = [r.data.metrics["framework_overhead_s"] for r in runs if r and "framework_overhead_s" in r.data.metrics]
@@ -340,23 +377,26 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     wall = time.perf_counter() - t0  # the figure the console reports, too
     where, placed = launchers.placement(runs, int((time.time() - wall) * 1000))
     try:
-        tracking.log_batch(store.client, parent, metrics={
+        stored(tracking.log_batch, store.client, parent, {
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov, **placed})
-        tracking.log_series(store.client, parent, _new_points(store.client, parent, series))
+        stored(lambda: tracking.log_series(store.client, parent, _new_points(store.client, parent, series)))
         for a in artifacts:
-            store.client.log_artifact(parent, str(a))
+            stored(store.client.log_artifact, parent, str(a))
     finally:
         error = f"{len(bad)} of {len(jobs)} jobs failed: " + "; ".join(
             f"{' '.join(ov)}: " + (r.data.tags.get("error", r.info.status) if r else _not_run(ends, ov)) for ov, r in bad)
-        if failure:
-            status, error = "FAILED", f"{failure}; {error}"
-        tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
+        problems += unstored[:1]
+        if problems:
+            status, error = "FAILED", "; ".join([*problems, error])
+        try:
+            tracking.end_run(store.client, parent, status, error if status == "FAILED" else None)
+        except tracking.StoreError as e:
+            say(f"[{entry}] {e}")
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
     say(f"[{entry}] {where}")
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
     if status == "FAILED":
-        print(f"resume:  python -m experiments.{entry} {' '.join(a for a in sys.argv[1:] if 'sweeper.resume' not in a)} "
-              f"hydra.sweeper.resume={parent}")
+        print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")
         raise SystemExit(1)

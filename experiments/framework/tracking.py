@@ -17,6 +17,7 @@ import atexit
 import contextlib
 import fcntl
 import importlib.metadata
+import logging
 import os
 import platform
 import re
@@ -34,7 +35,7 @@ from nsa import env
 from nsa.toolchain import check_toolchain
 
 from . import launchers
-from .config import REPO, ConfigError, one_line
+from .config import REPO, ConfigError, one_line, out_of_space
 from .hardware import Device
 from .logs import say
 
@@ -50,6 +51,11 @@ UI_VIEW = "runs?workflowType=machine_learning&compareRunsMode=CHART"  # the runs
 
 class StoreUnavailable(ConfigError):
     """The tracking store cannot be opened or written (one line, exit code 2, before any run)."""
+
+
+class StoreError(RuntimeError):
+    """A write to the tracking store failed once runs were open (e.g. its disk is full): the message
+    names the store and the cause, in one line."""
 
 
 @dataclass
@@ -84,9 +90,35 @@ def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
 
 def _cause(e: BaseException) -> str:
     """The useful end of a store error: an OS error number and text where there is one."""
-    text = one_line(e)
+    text = one_line(e).split(" [SQL: ")[0]  # SQLAlchemy's message goes on with the statement and its values
     m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
     return m.group(0).strip() if m else text
+
+
+def store_error(uri: str, e: BaseException) -> str:
+    """One line for a failed store request: the store, and the cause (a full disk named so)."""
+    return f"tracking store {uri}: {out_of_space(e) or _cause(e)}"
+
+
+@contextlib.contextmanager
+def writing(client):
+    """Store requests in the block: an error of the store (MLflow's, or an OS error of its files) raises
+    :class:`StoreError` in one line."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except (MlflowException, OSError) as e:
+        raise StoreError(store_error(str(getattr(client, "tracking_uri", "?")), e)) from e
+
+
+class _StoreErrorsOnce(logging.Filter):
+    """MLflow's SQL store logs each database error with its traceback before raising it; the error is
+    then reported once, in one line, by whoever made the request (a full disk: one line per write, not
+    a traceback per write)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SQLAlchemy database error")
 
 
 @contextlib.contextmanager
@@ -120,6 +152,10 @@ def open_client(uri: str):
     if uri not in _CLIENTS:
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
+
+        db_log = logging.getLogger("mlflow.store.db.utils")
+        if not any(isinstance(f, _StoreErrorsOnce) for f in db_log.filters):
+            db_log.addFilter(_StoreErrorsOnce())
 
         env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
         try:
@@ -293,13 +329,25 @@ def start_run(store: Store, name: str, parent: str | None = None, tags: dict | N
 
 
 def end_run(client, rid: str, status: str, error: str | None = None) -> None:
-    """End a run (FINISHED, FAILED, KILLED); ``error`` is recorded as its ``error`` tag first."""
+    """End a run (FINISHED, FAILED, KILLED); ``error`` is recorded as its ``error`` tag first. Where the
+    store fails (a full disk), the status is still tried, then :class:`StoreError` raised."""
+    failed = None
+    if error:
+        try:
+            with writing(client):
+                client.set_tag(rid, "error", error[:5000])
+        except StoreError as e:
+            failed = e
     try:
-        if error:
-            client.set_tag(rid, "error", error[:5000])
+        with writing(client):
+            client.set_terminated(rid, status)
+    except StoreError as e:
+        raise StoreError(f"{e}; run {rid} could not be ended {status} (once the store has room: "
+                         f"python -m experiments.close_stale {rid})") from e
     finally:
-        client.set_terminated(rid, status)
         _OPEN.pop(rid, None)
+    if failed:
+        raise StoreError(f"{failed}; run {rid} ended {status} without its reason") from failed
 
 
 def reopen(client, rid: str) -> None:
@@ -321,7 +369,8 @@ def close_open(status: str, reason: str) -> list[str]:
             closed.append(rid)
         except Exception as e:  # noqa: BLE001  (keep closing the others; the run stays for close_stale)
             _OPEN.pop(rid, None)
-            say(f"could not close run {rid}: {one_line(e)}")
+            say(f"could not close run {rid}: {one_line(e)}; once the store is back: "
+                f"python -m experiments.close_stale {rid}")
     return closed
 
 
