@@ -3,6 +3,7 @@
 MLFLOW_TRACKING_URI, this project's git commit only, a sweep whose parent cannot be created."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -220,7 +221,13 @@ def test_card_command_runs_here_as_written(cli_runs):
     (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")
     assert f"outputs: {sweep_dir.relative_to(tmp)}" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp / 'mlflow.db'}" in out
-    assert f"#/experiments/{parent.info.experiment_id}/runs?workflowType=machine_learning" in out
+    # the sweep's own view: its rows of each column on one chart (experiments/framework/views.py)
+    view = f"#/experiments/{parent.info.experiment_id}/runs?viewStateShareKey={parent.info.run_id}"
+    assert view + "&workflowType=machine_learning&compareRunsMode=CHART" in out
+    state = json.loads(c.get_experiment(parent.info.experiment_id).tags[f"mlflow.sharedViewState.{parent.info.run_id}"])
+    p50 = next(ch for ch in state["compareRunCharts"] if ch["metricKey"].startswith("p50_ms/"))
+    assert p50["selectedMetricKeys"][:2] == ["p50_ms/nsa", "p50_ms/dense"] and set(p50["selectedMetricKeys"]) == {
+        k for k in parent.data.metrics if k.startswith("p50_ms/")}
 
 
 def test_cfg_and_help_with_a_sweep(cli_runs):

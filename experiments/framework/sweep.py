@@ -31,7 +31,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import cli, launchers, report, tracking
+from . import cli, launchers, report, tracking, views
 from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
 from .job import HEADLINE, describe, job_key, launcher_name
 from .logs import say
@@ -356,7 +356,7 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     data = _curves(store, jobs, runs, keys, charts.ys) if by_step else report.lines(rows, charts) if charts and rows else {}
     series = [(report.metric_name(y, lab), v, x) for y, ls in data.items() for lab, pts in ls.items() for x, v in pts]
     text = _table(jobs, runs, keys)
-    artifacts, problems = [], [failure] if failure else []
+    artifacts, problems, view = [], [failure] if failure else [], []
     try:  # a full disk: said in one line; the summary is still printed and the store still updated
         if rows:
             report.write_csv(sweep_dir / f"{entry}_sweep.csv", [{k: v for k, v in r.items() if k != "_series"} for r in rows])
@@ -381,6 +381,10 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov, **placed})
         stored(lambda: tracking.log_series(store.client, parent, _new_points(store.client, parent, series)))
+        names = sorted({name for name, _, _ in series})
+        if names:  # the view that draws every row of a column on one chart (NSA against dense)
+            stored(lambda: view.append(views.share(store.client, store.experiment_id, parent, names, charts.ys,
+                                                   "step" if by_step else charts.x)))
         for a in artifacts:
             stored(store.client.log_artifact, parent, str(a))
     finally:
@@ -396,7 +400,8 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
     say(f"[{entry}] {where}")
-    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint()}")
+    key = next((k for k in view if k), None)
+    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(views.link(store.experiment_id, key) if key else None)}")
     if status == "FAILED":
         print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")
         raise SystemExit(1)

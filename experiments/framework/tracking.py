@@ -69,9 +69,10 @@ class Store:
     def describe(self) -> str:
         return f"{self.uri} ({self.origin}), experiment {self.experiment}"
 
-    def ui_hint(self) -> str:
-        """How to look at this experiment: the command to start the UI, then the page to open."""
-        page = f"#/experiments/{self.experiment_id}/{UI_VIEW}"
+    def ui_hint(self, page: str | None = None) -> str:
+        """How to look at this experiment: the command to start the UI, then the page to open (``page``:
+        one of its pages, e.g. a sweep's view; default the experiment's chart view)."""
+        page = page or f"#/experiments/{self.experiment_id}/{UI_VIEW}"
         if self.uri.startswith(("http://", "https://")):
             return f"open {self.uri.rstrip('/')}/{page}"
         return f"mlflow ui --backend-store-uri {self.uri}  # then open http://127.0.0.1:5000/{page}"
