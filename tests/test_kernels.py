@@ -111,6 +111,7 @@ def test_a_failed_check_fails_the_job_before_timing(runs):
     c, (r,) = entrypoints.runs(tmp / "mlflow.db", "kernels")
     assert r.info.status == "FAILED" and "check: o rel-L2" in r.data.tags["error"]
     assert r.data.metrics["check_o_rel_l2"] > 0 and "0_fwd_p50_ms" not in r.data.metrics  # not timed
+    assert r.info.run_name == "kernels gate cpu tiny triton seq=64"  # a single run's name says which op
 
 
 @pytest.mark.parametrize("case", BAD)

@@ -110,6 +110,15 @@ def _remove_empty_output_dir(hc) -> None:
             pass
 
 
+def identity(job: Job) -> list[tuple[str, str | None]]:
+    """What tells a run apart beside its length, for its name: the operation (experiments.kernels), the
+    hardware profile, the model, the backend plan (one name, or cmp/sel/win)."""
+    plan = job.plan
+    backend = plan["cmp"] if len(set(plan.values())) == 1 else "/".join(plan[b] for b in ("cmp", "sel", "win"))
+    return [("op", OmegaConf.select(job.cfg, "op.name", default=None)), ("hardware", job.profile.name),
+            ("model", OmegaConf.select(job.cfg, "model.name", default=None)), ("backend", backend)]
+
+
 def describe(job: Job, choices: dict) -> tuple[dict, dict]:
     """(params, tags) of a job's run: the flattened resolved config and the config-group choices;
     the environment and what the validation decided."""
@@ -147,7 +156,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             cli.config_exit(str(e))
         return _failed_validation(cfg, entry, launch_dir, parent, key, tags, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
-    name = f"{entry} seq={job.seq}" + (f" {job.branch}" if job.branch != "none" else "")
+    name = " ".join([entry, *(str(v) for _, v in identity(job) if v), f"seq={job.seq}"]) + (
+        f" {job.branch}" if job.branch != "none" else "")
     client = store.client
     try:
         with tracking.writing(client):

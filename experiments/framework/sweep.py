@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, report, tracking, views
 from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
-from .job import HEADLINE, describe, job_key, launcher_name
+from .job import HEADLINE, describe, identity, job_key, launcher_name
 from .logs import say
 
 _SAFE = re.compile(r"[\w./:@%+-]+")
@@ -222,13 +222,8 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
 
 def _fixed(first: Job, swept: dict) -> list[str]:
     """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
-    hardware, models or backends are told apart): the hardware profile, the model, the backend plan
-    (one name, or cmp/sel/win), each unless swept."""
-    plan = first.plan
-    backend = plan["cmp"] if len(set(plan.values())) == 1 else "/".join(plan[b] for b in ("cmp", "sel", "win"))
-    out = [("hardware", first.profile.name), ("model", OmegaConf.select(first.cfg, "model.name", default=None)),
-           ("backend", backend)]
-    return [str(v) for k, v in out if v and k not in swept]
+    hardware, models or backends are told apart): :func:`job.identity`, each part unless swept."""
+    return [str(v) for k, v in identity(first) if v and k not in swept]
 
 
 def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]]]:
