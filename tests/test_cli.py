@@ -17,7 +17,7 @@ import pytest
 from entrypoints import ENTRIES, REPO, argv, documented_commands, one_line, start, wait
 from mlflow import MlflowClient
 
-from experiments.framework import cli
+from experiments.framework import cli, sweep
 
 CARD = ["hardware=h100", "-m", "seq=512,1024,2048,4096"]  # the design card's command
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
@@ -221,6 +221,7 @@ def test_card_command_runs_here_as_written(cli_runs):
     (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")
     assert f"outputs: {sweep_dir.relative_to(tmp)}" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp / 'mlflow.db'}" in out
+    assert sweep.CPU_FIGURES in out  # times from a CPU are said to be what they are
     # the sweep's own view: its rows of each column on one chart (experiments/framework/views.py)
     view = f"#/experiments/{parent.info.experiment_id}/runs?viewStateShareKey={parent.info.run_id}"
     assert view + "&workflowType=machine_learning&compareRunsMode=CHART" in out

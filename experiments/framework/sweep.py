@@ -220,6 +220,12 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     return rid
 
 
+# Entry points whose headline figures are times, and what such figures are when the jobs ran on a CPU.
+TIMED = ("decode", "prefill", "kernels")
+CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
+               "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
+
+
 def _fixed(first: Job, swept: dict) -> list[str]:
     """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
     hardware, models or backends are told apart): :func:`job.identity`, each part unless swept."""
@@ -397,6 +403,8 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] {where}")
     key = next((k for k in view if k), None)
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(views.link(store.experiment_id, key) if key else None)}")
+    if entry in TIMED and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
+        print(CPU_FIGURES)
     if status == "FAILED":
         print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")
         raise SystemExit(1)
