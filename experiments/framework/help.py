@@ -49,7 +49,11 @@ DEPTH = 3
 def _scalar(v) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_scalar(x) for x in v) + "]"
-    return {None: "null", True: "true", False: "false"}.get(v, str(v)) if isinstance(v, (bool, type(None))) else str(v)
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
 
 
 def _lines(node: dict, depth: int) -> list[str]:
