@@ -34,6 +34,10 @@ BF16 = torch.bfloat16
 CFG = NSAConfig(dim=256, n_heads=8, n_kv_heads=2, d_k=64, d_v=64, l=32, d=16, l_sel=64, n_sel=4, w=128)
 B, T = 2, 640
 TOL = 2e-2
+# Gradients that are exactly zero: a bias of phi_k shifts every compressed key a query scores by the same
+# q.b, which no softmax sees (Eq. 7-8). In float64 its gradient is 2e-16 of phi_k.fc2.weight's; in bf16 each run
+# holds rounding noise (8e-4 of it in eager bf16 on the CPU), so compiled and eager share no digits there.
+ZERO_GRAD = {"phi_k.fc2.bias": "phi_k.fc2.weight"}
 
 
 def _rel(a, b):
@@ -69,7 +73,11 @@ def test_layer_compiles_fullgraph_with_inductor(backend):
     assert rec.ran == {"cmp": backend, "sel": backend, "win": backend}, rec
     assert y1.dtype == BF16 and _rel(y1, y0) <= TOL, _rel(y1, y0)
     for name in g0:
-        assert _rel(g1[name], g0[name]) <= TOL, (name, _rel(g1[name], g0[name]))
+        if name in ZERO_GRAD:  # rounding noise in both runs: small against its layer's gradient
+            for g in (g0, g1):
+                assert g[name].float().norm() <= TOL * g[ZERO_GRAD[name]].float().norm(), (name, g[name])
+        else:
+            assert _rel(g1[name], g0[name]) <= TOL, (name, _rel(g1[name], g0[name]))
     assert _rel(gx1, gx0) <= TOL, _rel(gx1, gx0)
 
 

@@ -13,6 +13,8 @@ and equal to the clean run; the rows that see it are non-finite.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 # The interpreter must be chosen before triton is first imported (tests/conftest.py does not set it).
@@ -284,31 +286,56 @@ def test_triton_window_branch(bad, kind, u):  # 32: the first key of a key tile 
     check_tiles(o1, o0, u, min(u + TCFG.w - 1, TT - 1), what="o_win")
 
 
+class _Spy:
+    """Stands for a kernel: records the TMA flag of each launch, then launches the kernel."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append(kw["TMA"])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
 @pytest.mark.usefixtures("fast_interpreter")
 @pytest.mark.parametrize("mode", ["query-tma", "query", "block"])
 @pytest.mark.parametrize("kind,bad,u", [("v", "nan", 37), ("k", "nan", 63)])
-def test_triton_selected_branch(mode, bad, kind, u):
+def test_triton_selected_branch(monkeypatch, mode, bad, kind, u):
     """Query-outer: one row per program, so every row t < u is the clean run's. Block-outer: a program loads
     u's block for a work item of chunk_rows / G = 4 queries that selected it, in row order; the rows of
     u's block (from 32 on here) select it (the newest candidate, forced), so its items start at 32, 36, ..:
-    rows before u's item are the clean run's."""
+    rows before u's item are the clean run's. Through descriptors (``query-tma``) with 16-token blocks, one
+    key tile each (a tile of 16 would reach past an 8-token block: those take pointer loads): u's block is
+    then partly before and partly after the rows that hold it. A bad value sends the kernel down its path
+    for non-finite values (t's block first, its values past t zeroed), the clean run down the finite one:
+    the same sums in another order, so the rows that cannot see u agree to float32 rounding there."""
     tb = _triton()
-    from nsa.backends.triton.selection import selected_attention
+    from nsa.backends.triton import selection
+    cfg = dataclasses.replace(TCFG, l_sel=16) if mode == "query-tma" else TCFG
     x = t_inputs(bad, kind == "k")
     q, k, v = x["q"], x["k_sel"], x["v_sel"]
-    _, idx = reference.compressed_branch(q, x["k_cmp"], x["v_cmp"], TCFG)
+    _, idx = reference.compressed_branch(q, x["k_cmp"], x["v_cmp"], cfg)
     k2, v2 = (spoil(k, u, bad), v) if kind == "k" else (k, spoil(v, u, bad))
     tune = {"mode": mode.split("-")[0], "tma": mode == "query-tma", "chunk_rows": 8}
+    kernel, seen = selection._fwd_q_kernel, []
+    monkeypatch.setattr(selection, "_fwd_q_kernel", _Spy(kernel, seen))
     with tb.poisoned_outputs(), tb.tuning.overrides({"selection": tune}):
-        o0 = selected_attention(q, k, v, idx, TCFG)
-        o1 = selected_attention(q, k2, v2, idx, TCFG)
-    j0 = u // TCFG.l_sel * TCFG.l_sel
+        o0 = selection.selected_attention(q, k, v, idx, cfg)
+        o1 = selection.selected_attention(q, k2, v2, idx, cfg)
+    assert seen == ([mode == "query-tma"] * 2 if mode != "block" else [])  # the load path named by the case
+    j0 = u // cfg.l_sel * cfg.l_sel
     lo = u if mode != "block" else j0 + (u - j0) // 4 * 4
-    hit = sel_hit(idx, u, TCFG, TT)
+    hit = sel_hit(idx, u, cfg, TT)
     keep = ~hit & (torch.arange(TT) < lo)[None, :, None]
-    assert torch.isfinite(o1[keep]).all() and torch.equal(o1[keep], o0[keep])
-    assert (~torch.isfinite(o1[hit])).any(-1).all()
-    if mode != "block":  # one row per program: exactly the reference's rows
+    assert torch.isfinite(o1[keep]).all() and (~torch.isfinite(o1[hit])).any(-1).all()
+    if mode == "query-tma":  # every row that cannot see u: finite, and the clean run's to rounding
+        assert torch.isfinite(o1[~hit]).all()
+        torch.testing.assert_close(o1[~hit], o0[~hit], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(o1[keep], o0[keep])
+    if mode == "query":  # one row per program: exactly the reference's rows
         check_rows(o1, o0, hit, mode)
 
 

@@ -57,14 +57,31 @@ def _seq_bounds(CU_Q, CU_K, seq):
 def _sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
     """Key rows row.. row+BLOCK_S of head h through the TMA descriptor of a [Nk, H, D] tensor (block
     [BLOCK_S, 1, BD]). Unlike the masked pointer loads, rows outside the selected block (past t, past the
-    block, the previous or next sequence, j = -1) hold data, not zeros: the forward masks their scores
-    to -inf (p = 0) and zeroes their values before p @ v (0 x NaN is NaN)."""
+    block, the previous or next sequence) hold data, not zeros, so the forward loads through it only
+    blocks that lie wholly at or before the row's token; rows outside the tensor (a negative ``row``) are
+    zeros."""
     return tl.reshape(XD.load([row.to(tl.int32), h.to(tl.int32), 0]), [BLOCK_S, BD])
 
 
 @triton.jit
+def _online(q, kt, vv, ok, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
+    """One key tile of the online softmax (Eq. 12 over the selected tokens): scores of q [G, Dk] against
+    kt [Dk, S] (log2 domain), keys where ``ok`` is False masked to p = 0; returns the updated running max,
+    sum and unnormalised output."""
+    qk = tl.dot(q, kt, input_precision=PREC) * scale_log2
+    qk = tl.where(ok[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd_q_kernel(
-    Q, K, V, KD, VD, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
+    Q, K, V, KD, VD, FIN, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n, sg_n,
     q_start, scale_log2,
     G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
@@ -89,7 +106,32 @@ def _fwd_q_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for i in range(N_SEL * N_SUB):  # one flat loop, so that the next block's loads overlap
+    # TMA: the descriptor has no mask. With every value finite (FIN, one flag for the call) the loop loads
+    # whole blocks, and p = 0 zeroes the keys past t. Otherwise a value the row may not see must not reach
+    # p @ v (0 x NaN is NaN): the block holding t, when selected and not whole, goes first with its values
+    # past t zeroed, and the loop skips it and any later block (rows outside the tensor: zeros). Both
+    # before the loop and only then: a peel after the loop spilled registers, one on every call cost
+    # 20 % (BENCHMARKS.md).
+    jt = t // L_SEL
+    skip = t * 0 + (1 << 62)  # TMA: the loop loads no block from this one on (here: none skipped)
+    if TMA:
+        if tl.load(FIN) == 0:
+            skip = jt + (jt * L_SEL + L_SEL <= t + 1).to(tl.int64)  # from t's block, or the next if t ends it
+            peel = 0
+            for s in range(N_SEL):
+                peel = peel | (tl.load(IDX + r * si_n + h * si_h + s) == jt).to(tl.int32)
+            peel = peel & (skip == jt).to(tl.int32)
+            row = tl.where(peel > 0, k0 + jt * L_SEL, -BLOCK_S)
+            for sb in range(N_SUB):
+                off = sb * BLOCK_S + ar
+                pos = jt * L_SEL + off
+                ok = (peel > 0) & (off < L_SEL) & (pos <= t) & (pos < S)
+                kt = tl.trans(_sel_tile(KD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DK))
+                vv = tl.where(ok[:, None], _sel_tile(VD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV), 0.0)
+                m_i, l_i, acc = _online(q, kt, vv, ok, m_i, l_i, acc, scale_log2, PREC)
+    # One flat loop, so that the next block's loads overlap. The update is _online's, written out so that the
+    # value tile is loaded after the scores: 96 registers a thread against 108 through _online (ptxas, sm_90a).
+    for i in range(N_SEL * N_SUB):
         s = i // N_SUB
         sb = i % N_SUB
         j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
@@ -97,7 +139,9 @@ def _fwd_q_kernel(
         pos = j * L_SEL + off
         ok = (j >= 0) & (off < L_SEL) & (pos <= t) & (pos < S)
         if TMA:
-            kt = tl.trans(_sel_tile(KD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DK))
+            ok = ok & (j < skip)
+            row = tl.where((j >= 0) & (j < skip), k0 + j * L_SEL + sb * BLOCK_S, -BLOCK_S)
+            kt = tl.trans(_sel_tile(KD, row, h, BLOCK_S, BLOCK_DK))
         else:
             kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None],
                          mask=ok[None, :] & (dk[:, None] < DK), other=0.0)
@@ -108,8 +152,8 @@ def _fwd_q_kernel(
         p = tl.exp2(qk - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:  # the descriptor has no mask: values outside the row's tokens are selected away
-            vv = tl.where(ok[:, None], _sel_tile(VD, k0 + j * L_SEL + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV), 0.0)
+        if TMA:
+            vv = _sel_tile(VD, row, h, BLOCK_S, BLOCK_DV)
         else:
             vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
                          mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -490,10 +534,11 @@ def _kv_descriptors(tune, k, v, l_sel):
     """TMA descriptors of k, v [Nk, H, D] for the query-outer forward's key tiles (its dq kernel keeps
     pointer loads, which timed faster there: BENCHMARKS.md), or (None, None) where
     ``tune["tma"]`` is off or the tensors do not qualify (``utils.tma_ok``; packed documents qualify:
-    the kernels mask every row outside the selected block)."""
-    if not tma_ok(tune["tma"], None, 1, 1, k, v):
-        return None, None
+    the kernel loads through them only whole blocks at or before the row's token), or where a key tile
+    would reach past its block (``l_sel`` not a multiple of the tile: l_sel < 16)."""
     block_s = _meta(k.shape[2], v.shape[2], l_sel, tune["block_s"])["BLOCK_S"]
+    if l_sel % block_s or not tma_ok(tune["tma"], None, 1, 1, k, v):
+        return None, None
     return (descriptor(k, [block_s, 1, p2(k.shape[2], 16)]), descriptor(v, [block_s, 1, p2(v.shape[2], 16)]))
 
 
@@ -526,8 +571,10 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
         return o, lse, plan
     if mode == "query":
         kd, vd = _kv_descriptors(tune, k, v, l_sel)
+        # through descriptors: whether every value is finite (a device flag: no sync, graph-safe)
+        fin = torch.isfinite(v).all().to(torch.int32) if kd is not None else lse
         _fwd_q_kernel[(Nq, H)](
-            q, k, v, kd, vd, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
+            q, k, v, kd, vd, fin, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
             lay.q_start, scale_log2,
