@@ -6,7 +6,8 @@
 #                one call, same card), dense cuDNN in the same runs
 #     profile:   8k, each branch alone and the kernel tables (prefill.profile=true)
 #     ops:       each branch's kernels alone (OPS_OPS, default compressed,window,selection) at SEQS, from OLD first when given
-#     selection: the selected branch alone at 8k, both kernel families (query-outer, block-outer)
+#     selection: the selected branch alone at 8k and 64k, variants SEL_SWEEP (default both kernel families,
+#                tuning.selection.mode=query,block; e.g. SEL_SWEEP="tuning.selection.stages=2,3")
 #     tests:     the compiled compile/decode tests (tests/test_compile_gpu.py, tests/test_decode_gpu.py)
 # HW (default h100) names the hardware profile; SEQS (default 8192,65536) the layer step's lengths.
 set -u
@@ -45,7 +46,7 @@ fi
 has profile && run 200 profile "$PWD" -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
   prefill.dense_flash=false "prefill.peers=[]" prefill.profile=true seq=8192
 has selection && run 200 selection "$PWD" -m experiments.kernels hardware="$HW" model=h200bench op=selection \
-  kernels.peers=false seq=8192 -m tuning.selection.mode=query,block
+  kernels.peers=false -m seq=8192,65536 ${SEL_SWEEP:-tuning.selection.mode=query,block}
 if has tests; then
   PYTHONPATH=/tmp/site:$PWD timeout "${TEST_S:-400}" python3 -m pytest -q -m gpu tests/test_compile_gpu.py \
     tests/test_decode_gpu.py >"$OUT/tests.txt" 2>&1; echo "pytest exit $?"; tail -n 15 "$OUT/tests.txt"
