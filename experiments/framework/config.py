@@ -319,6 +319,10 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         cfg.backend[b] = plan[b]
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
+    if "parallel" in cfg:
+        from . import parallel
+
+        parallel.check_job(cfg.parallel.cp, seq, branch)
     if here:
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)

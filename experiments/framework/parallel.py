@@ -57,6 +57,18 @@ def check(cp, entry: str, sweep: bool = False) -> None:
                           f"torchrun --nproc_per_node {world} -m experiments.{entry} parallel.cp={world} ...)")
 
 
+def check_job(cp: int, seq: int, branch: str) -> None:
+    """What a context-parallel job needs of its shape: the sequence cut into 2 x cp equal chunks (each rank
+    holds one early and one late chunk, nsa.context_parallel.shard), and every branch (the context-parallel
+    path runs the gated sum of all three; branch_force times one alone on one device)."""
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"seq={seq}: parallel.cp={cp} cuts the sequence into 2 x {cp} = {2 * cp} equal chunks; "
+                          f"seq must be a multiple of {2 * cp}")
+    if cp > 1 and branch != "none":
+        raise ConfigError(f"branch_force={branch}: parallel.cp > 1 runs the gated sum of all branches "
+                          "(nsa.context_parallel.nsa_attention); use branch_force=none")
+
+
 def rank_suffix() -> str:
     """``.rank<r>`` in a torchrun process of rank r > 0, else "": resolver ``nsa_rank_suffix`` of the
     output folder (conf/common.yaml) and the log file (conf/hydra/job_logging/nsa.yaml), so that the ranks
