@@ -6,6 +6,7 @@ misuse: ``parallel.cp=2`` without torchrun, in a sweep, against another WORLD_SI
 split into 2 x cp chunks: one line naming the field and the rule, exit 2, no run."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,20 @@ from entrypoints import one_line, runs, start, wait
 from experiments.framework import parallel
 from experiments.framework.config import ConfigError
 
-# One torch thread per rank: the two ranks share this machine's two cores.
-TINY = ["hardware=cpu", "model=tiny"]
+
+
+def documented(entry: str) -> list[str]:
+    """The arguments of docs/cluster.md's CPU command ``torchrun ... -m experiments.<entry> ... hardware=cpu ...``
+    (the tests run the documented commands as written, plus their store and output folder)."""
+    text = (entrypoints.REPO / "docs" / "cluster.md").read_text()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in block.splitlines()
+             if ln.startswith("torchrun ") and f" -m experiments.{entry} " in ln and "hardware=cpu" in ln]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("torchrun --standalone --nproc_per_node 2 "), lines[0]
+    return lines[0].split(f" -m experiments.{entry} ", 1)[1].split()
+
+
+TINY = ["hardware=cpu"]
 
 
 def torchrun(tmp: Path, entry: str, *args: str) -> tuple[int, str, str]:
@@ -43,7 +56,9 @@ def _store(tmp: Path, template: Path) -> None:
 
 def test_parity_under_torchrun_logs_cp_max_rel_err(tmp_path, template):
     _store(tmp_path, template)
-    rc, out, err = torchrun(tmp_path, "parity", *TINY, "parallel.cp=2", "seq=64", "dtype=float64")
+    args = documented("parity")
+    assert {"parallel.cp=2", "dtype=float64"} <= set(args), args
+    rc, out, err = torchrun(tmp_path, "parity", *args)
     assert rc == 0, err[-3000:]
     _, found = runs(tmp_path / "mlflow.db", "parity")
     assert len(found) == 1, [r.info.run_name for r in found]  # rank 0's run only
@@ -64,8 +79,9 @@ def test_parity_under_torchrun_logs_cp_max_rel_err(tmp_path, template):
 
 def test_prefill_under_torchrun_logs_per_rank_times(tmp_path, template):
     _store(tmp_path, template)
-    rc, out, err = torchrun(tmp_path, "prefill", *TINY, "parallel.cp=2", "seq=64", "model.timing.warmup=1",
-                            "model.timing.repeats=3")
+    args = documented("prefill")
+    assert "parallel.cp=2" in args, args
+    rc, out, err = torchrun(tmp_path, "prefill", *args)
     assert rc == 0, err[-3000:]
     _, found = runs(tmp_path / "mlflow.db", "prefill")
     assert len(found) == 1 and found[0].info.status == "FINISHED"
