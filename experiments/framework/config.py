@@ -322,7 +322,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     if "parallel" in cfg:
         from . import parallel
 
-        parallel.check_job(cfg.parallel.cp, seq, branch)
+        parallel.check_job(cfg.parallel.cp, seq, branch, device)
     if here:
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)

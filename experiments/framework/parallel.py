@@ -49,6 +49,9 @@ def check(cp, entry: str, sweep: bool = False) -> None:
     if cp != 1 and entry not in ENTRIES:
         raise ConfigError(f"parallel.cp={cp}: experiments.{entry} has no context-parallel path; "
                           f"only {', '.join(f'experiments.{e}' for e in ENTRIES)} run with parallel.cp > 1")
+    if entry not in ENTRIES and (world or 1) > 1:
+        raise ConfigError(f"parallel.cp={cp}: experiments.{entry} runs in one process, not under torchrun with "
+                          f"WORLD_SIZE={world} (every rank would run the whole job and log a run of its own)")
     if cp != 1 and world is None:
         raise ConfigError(f"parallel.cp={cp}: parallel.cp > 1 runs one process per rank under torchrun with "
                           f"WORLD_SIZE == parallel.cp ({cmd}); this process was not started by torchrun")
@@ -57,10 +60,16 @@ def check(cp, entry: str, sweep: bool = False) -> None:
                           f"torchrun --nproc_per_node {world} -m experiments.{entry} parallel.cp={world} ...)")
 
 
-def check_job(cp: int, seq: int, branch: str) -> None:
-    """What a context-parallel job needs of its shape: the sequence cut into 2 x cp equal chunks (each rank
-    holds one early and one late chunk, nsa.context_parallel.shard), and every branch (the context-parallel
-    path runs the gated sum of all three; branch_force times one alone on one device)."""
+def check_job(cp: int, seq: int, branch: str, device: torch.device | None = None) -> None:
+    """What a context-parallel job needs: the sequence cut into 2 x cp equal chunks (each rank holds one
+    early and one late chunk, nsa.context_parallel.shard), every branch (the context-parallel path runs the
+    gated sum of all three; branch_force times one alone on one device), and on CUDA a GPU of its own per
+    rank of this host."""
+    if cp > 1 and device is not None and device.type == "cuda":
+        local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= n:
+            raise ConfigError(f"parallel.cp={cp}: local rank {local} has no GPU of its own ({n} visible here); "
+                              f"torchrun --nproc_per_node at most {n} on this host, one GPU per rank")
     if cp > 1 and seq % (2 * cp):
         raise ConfigError(f"seq={seq}: parallel.cp={cp} cuts the sequence into 2 x {cp} = {2 * cp} equal chunks; "
                           f"seq must be a multiple of {2 * cp}")
@@ -92,6 +101,16 @@ class Group:
     rank: int
     world: int
     backend: str        # nccl | gloo
+
+
+def pin_device() -> None:
+    """Under torchrun on a CUDA host, GPU ``LOCAL_RANK`` is this process's current device from the start,
+    before the config's checks touch CUDA (a backend's availability check on GPU 0 from every rank would
+    put a CUDA context of each rank on GPU 0)."""
+    if torchrun_world() is not None and torch.cuda.is_available():
+        local = int(os.environ["LOCAL_RANK"])
+        if local < torch.cuda.device_count():  # else a CUDA job is refused by check_job (one GPU per rank)
+            torch.cuda.set_device(local)
 
 
 def init(device: torch.device) -> Group:
