@@ -11,6 +11,8 @@ run without gradients (``out_no_grad``: the prefill/inference path, where a back
 gated sum into its selected branch). A tensor over its tolerance
 (parity.tol.<dtype>: rel_l2, and max_abs times max(1, max |reference|)) fails the run after
 everything is logged.
+With ``parallel.cp=N`` under ``torchrun --nproc_per_node N`` (docs/cluster.md), the run compares
+context-parallel NSA with the same backends on one device instead (:func:`cp_work`: ``cp_max_rel_err``).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ the tables (kernels by device time) are printed and logged on the run as ``profi
 FLOPs count the matrix products over the keys each query really attends to (visible compressed
 tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. Forward+backward
 counts 3.5x the forward (backward = 2.5x: the FlashAttention benchmark convention).
+With ``parallel.cp=N`` under ``torchrun --nproc_per_node N`` (docs/cluster.md), each rank times the
+context-parallel path on its part of the sequence instead (:func:`cp_work`: per-rank times, the all-gather's share).
 """
 from __future__ import annotations
 
