@@ -11,6 +11,8 @@ run without gradients (``out_no_grad``: the prefill/inference path, where a back
 gated sum into its selected branch). A tensor over its tolerance
 (parity.tol.<dtype>: rel_l2, and max_abs times max(1, max |reference|)) fails the run after
 everything is logged.
+With ``parallel.cp=N`` under ``torchrun --nproc_per_node N`` (docs/cluster.md), the run compares
+context-parallel NSA with the same backends on one device instead (:func:`cp_work`: ``cp_max_rel_err``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from nsa import context_parallel as cp
 from nsa import dispatch, functional, reference
 from nsa.backends.triton import poisoned_outputs
 
@@ -92,7 +95,101 @@ def near_ties(ref, idx_ref, idx_test, c, scale, rel_tol, max_rows):
     return len(diff), bad
 
 
+def _rel_l2(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, max abs error) of ``a`` against ``r``, in float64."""
+    if r.numel() == 0:
+        return 0.0, 0.0
+    d = a.double() - r.double()
+    return float(d.norm() / r.double().norm().clamp_min(1e-30)), float(d.abs().max())
+
+
+def _gather_whole(x: torch.Tensor, cp_group) -> torch.Tensor | None:
+    """On rank 0, the whole sequence of ``x`` (every rank's part, nsa.context_parallel's layout); None elsewhere."""
+    import torch.distributed as dist
+
+    x = x.detach().contiguous()
+    parts = [torch.empty_like(x) for _ in range(cp_group.world)] if cp_group.rank == 0 else None
+    dist.gather(x, parts, dst=0, group=cp_group.group)
+    return cp.unshard(parts) if parts is not None else None
+
+
+def _flat_grad(m: torch.nn.Module) -> torch.Tensor:
+    """A module's parameter gradients as one vector. phi's gradient is compared whole, not per parameter:
+    the key phi's output bias shifts every compressed key's score of a query by the same q.b, which the
+    softmax (and the top-n) cancel, so its gradient is zero up to rounding, and a relative error of that
+    rounding against rounding says nothing."""
+    return torch.cat([p.grad.detach().reshape(-1) for p in m.parameters()])
+
+
+def cp_work(job: Job) -> Result:
+    """parallel.cp > 1 (under torchrun): context-parallel NSA (``nsa.context_parallel.nsa_attention``) against
+    the same backends on one device, on the same inputs. Every rank draws the whole sequence's inputs (the
+    compression branch's raw keys/values, before phi) and the output gradient from the seed, and runs its
+    part (two mirrored chunks); rank 0 gathers the output and every input gradient, sums phi's parameter
+    gradients over the ranks, then runs the whole sequence alone and compares: ``cp_max_rel_err`` is the
+    largest relative L2 error over them. Over parity.tol.<dtype>.rel_l2 fails the run."""
+    import torch.distributed as dist
+
+    from nsa import NSAAttention
+
+    p, c, S, dev, dt, g = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype, job.cp
+    check_memory(job, estimate_bytes(job))
+    B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
+    torch.manual_seed(int(job.cfg.seed))
+    layer = NSAAttention(c).to(dev, dt)  # phi (the MLP of model.nsa.phi=mlp) from the seed: the same on every rank
+    phis = {"phi_k": layer.phi_k, "phi_v": layer.phi_v}
+    gen = torch.Generator(device="cpu").manual_seed(int(job.cfg.seed))
+    shapes = {"q": (B, S, HQ, Dk), "k_cmp_raw": (B, S, H, Dk), "v_cmp_raw": (B, S, H, Dv), "k_sel": (B, S, H, Dk),
+              "v_sel": (B, S, H, Dv), "k_win": (B, S, H, Dk), "v_win": (B, S, H, Dv), "gates": (B, S, HQ, 3)}
+    base = {n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    base["gates"] = torch.sigmoid(base["gates"])
+    dout = torch.randn(B, S, HQ, Dv, generator=gen, dtype=torch.float64)
+    log.info(f"[parity] seq={S}: context parallel over {g.world} ranks ({g.backend}), backends {job.plan} in {dt}, "
+             f"against one device")
+    part = {n: cp.shard(t, g.rank, g.world).to(dev, dt).requires_grad_(True) for n, t in base.items()}
+    o = cp.nsa_attention(*part.values(), c, phi_k=layer.phi_k, phi_v=layer.phi_v, group=g.group, backend=job.plan,
+                         fallback=job.fallback)
+    o.backward(cp.shard(dout, g.rank, g.world).to(dev, dt))
+    got = {"out": _gather_whole(o, g), **{f"grad_{n}": _gather_whole(t.grad, g) for n, t in part.items()}}
+    for k, m in phis.items():  # each rank's phi gradient is that of its queries: summed, the one-device gradient
+        if m is not None:
+            for prm in m.parameters():
+                dist.all_reduce(prm.grad, group=g.group)
+            got[f"grad_{k}"] = _flat_grad(m)
+            m.zero_grad(set_to_none=True)
+    del o, part
+    if g.rank != 0:
+        return Result([], {})
+    whole = {n: t.to(dev, dt).requires_grad_(True) for n, t in base.items()}
+    o1 = functional.nsa_attention(whole["q"], functional.compress(whole["k_cmp_raw"], c, layer.phi_k),
+                                  functional.compress(whole["v_cmp_raw"], c, layer.phi_v), whole["k_sel"],
+                                  whole["v_sel"], whole["k_win"], whole["v_win"], whole["gates"], c, backend=job.plan,
+                                  fallback=job.fallback)
+    o1.backward(dout.to(dev, dt))
+    ref = {"out": o1.detach(), **{f"grad_{n}": t.grad for n, t in whole.items()},
+           **{f"grad_{k}": _flat_grad(m) for k, m in phis.items() if m is not None}}
+    tol = float(p.tol[job.cfg.dtype].rel_l2)
+    rows, metrics = [], {}
+    for name, r in ref.items():
+        rel, mx = _rel_l2(got[name], r)
+        rows.append({"seq_tokens": S, "cp": g.world, "tensor": name, "dtype": str(dt).replace("torch.", ""),
+                     "rel_l2_err": rel, "max_abs_err": mx, "rel_l2_tol": tol, "within_tol": rel <= tol})
+        metrics[f"cp_{name}_rel_l2_err"] = rel
+        log.info(f"[parity] seq={S} cp={g.world} {name:>14}: " + ("ok  " if rel <= tol else "FAIL")
+                 + f" rel_l2={rel:.3g} max_abs={mx:.3g}")
+    worst = max(rows, key=lambda r: r["rel_l2_err"])
+    metrics["cp_max_rel_err"] = worst["rel_l2_err"]
+    bad = [r["tensor"] for r in rows if not r["within_tol"]]
+    metrics["parity_failures"] = len(bad)
+    failure = (f"parity: context parallel over {g.world} ranks differs from one device: cp_max_rel_err "
+               f"{worst['rel_l2_err']:.3g} ({worst['tensor']}) over parity.tol.{job.cfg.dtype}.rel_l2={tol:g} in "
+               + ", ".join(bad)) if bad else None
+    return Result(rows, metrics, headline={"cp_max_rel_err": worst["rel_l2_err"]}, failure=failure)
+
+
 def work(job: Job) -> Result:
+    if job.cp is not None:  # parallel.cp > 1: context parallel against one device
+        return cp_work(job)
     p, c, S, dev, dt = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype
     check_memory(job, estimate_bytes(job))
     ref_dt = DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)

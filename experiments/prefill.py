@@ -16,6 +16,8 @@ the tables (kernels by device time) are printed and logged on the run as ``profi
 FLOPs count the matrix products over the keys each query really attends to (visible compressed
 tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. Forward+backward
 counts 3.5x the forward (backward = 2.5x: the FlashAttention benchmark convention).
+With ``parallel.cp=N`` under ``torchrun --nproc_per_node N`` (docs/cluster.md), each rank times the
+context-parallel path on its part of the sequence instead (:func:`cp_work`: per-rank times, the all-gather's share).
 """
 from __future__ import annotations
 
@@ -50,7 +52,95 @@ def dense_variants(dense_flash: bool, c, device_type: str) -> tuple[list[str], d
     return ["dense", "dense_flash"], {}
 
 
+def cp_estimate_bytes(job: Job) -> float:
+    """One rank's tensors: its 2C = S/cp tokens' share of :func:`estimate_bytes`, and the whole sequence's
+    raw keys/values of the three branches (all-gathered) with their gradients."""
+    c, B, S, R = job.nsa, job.cfg.prefill.batch, job.seq, job.cp.world
+    gathered = B * S * c.n_kv_heads * (c.d_k + c.d_v) * 3 * 2 * job.dtype.itemsize
+    return estimate_bytes(job) / R + float(gathered)
+
+
+def cp_work(job: Job) -> Result:
+    """parallel.cp > 1 (under torchrun): each rank times ``nsa.context_parallel.nsa_attention`` on its part of
+    one sequence (two mirrored chunks of S / 2cp tokens): the all-gather of the raw keys/values, phi over the
+    whole sequence and the three branches at the rank's positions; forward and forward+backward (whose
+    backward reduce-scatters the key/value gradients), and the all-gather alone, as often. Inputs: this
+    rank's queries, keys, values and gates from the layer (the same weights on every rank, from the seed)
+    at its own positions, then detached. A step takes the slowest rank's time: the headline is the max over
+    ranks; per rank (``rank<r>_*``) the times and, on CUDA, the peak memory."""
+    import torch.distributed as dist
+
+    from nsa import context_parallel as cp
+
+    p, c, S, g = job.cfg.prefill, job.nsa, job.seq, job.cp
+    check_memory(job, cp_estimate_bytes(job))
+    B, dev, dt = p.batch, job.device, job.dtype
+    torch.manual_seed(int(job.cfg.seed))
+    layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
+    torch.manual_seed(int(job.cfg.seed) + 1 + g.rank)  # this rank's tokens: its own draw
+    with torch.no_grad():
+        x = torch.randn(B, S // g.world, c.dim, device=dev, dtype=dt)
+        q, kv, gates = layer._project(x, cp.positions(S, g.rank, g.world, dev))
+    names = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win")
+    leaves = [t.detach().requires_grad_(True) for t in (q, *(kv[n] for n in names), gates)]
+    del x, q, kv, gates
+
+    def run():
+        return cp.nsa_attention(*leaves, c, phi_k=layer.phi_k, phi_v=layer.phi_v, group=g.group, backend=job.plan,
+                                fallback=job.fallback)
+
+    def gather():  # the forward's communication alone: the six raw key/value tensors, as run() gathers them
+        for t in leaves[1:7]:
+            cp._gather(t, g.group)
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    dist.barrier(group=g.group)
+    with torch.no_grad():
+        tq = {f"fwd_{k}": v for k, v in measure.quantiles(measure.time_ms(run, dev, p.warmup, p.repeats)).items()}
+        tq.update({f"allgather_{k}": v for k, v in
+                   measure.quantiles(measure.time_ms(gather, dev, p.warmup, p.repeats)).items()})
+    if p.backward:
+        dout = torch.randn_like(run().detach())
+        params = list(layer.parameters())
+
+        def fwd_bwd():
+            for t in leaves + params:
+                t.grad = None
+            run().backward(dout)
+
+        tq.update({f"fwd_bwd_{k}": v for k, v in
+                   measure.quantiles(measure.time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+    if dev.type == "cuda":
+        tq["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    log.info(f"[prefill] seq={S} rank {g.rank}/{g.world}: fwd p50 {tq['fwd_p50_ms']:.3f} ms, all-gather p50 "
+             f"{tq['allgather_p50_ms']:.3f} ms" + (f", fwd+bwd p50 {tq['fwd_bwd_p50_ms']:.3f} ms" if p.backward else ""))
+    per_rank = [None] * g.world
+    dist.all_gather_object(per_rank, tq, group=g.group)
+    if g.rank != 0:
+        return Result([], {})
+    timings = ("fwd", "fwd_bwd") if p.backward else ("fwd",)
+    rows = [{"seq_tokens": S, "batch_seqs": B, "cp": g.world, "rank": r, "tokens_per_rank": S // g.world,
+             "variant": "nsa_cp", "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"],
+             "backend_win": job.plan["win"], "dtype": str(dt).replace("torch.", ""), **t}
+            for r, t in enumerate(per_rank)]
+    metrics = {f"rank{r}_{k}": v for r, t in enumerate(per_rank) for k, v in t.items()
+               if k.endswith("p50_ms") or k == "peak_mem_gib"}
+    worst = {k: max(t[k] for t in per_rank) for k in per_rank[0]}  # a step waits for the slowest rank
+    headline = {**{f"cp_{t}_p50_ms": worst[f"{t}_p50_ms"] for t in timings},
+                "allgather_p50_ms": worst["allgather_p50_ms"],
+                "allgather_share_of_fwd": worst["allgather_p50_ms"] / worst["fwd_p50_ms"]}
+    if "peak_mem_gib" in worst:
+        headline["peak_mem_gib_max"] = worst["peak_mem_gib"]
+    tags = {"cp_timed": "nsa.context_parallel.nsa_attention per rank (all-gather, phi, three branches); headline: "
+                        "max over ranks; allgather_share_of_fwd: the all-gather alone, timed as often, over the forward",
+            **({} if dev.type == "cuda" else {"cp_peak_memory": "not measured: per-rank peak memory is CUDA's allocator's"})}
+    return Result(rows, metrics, headline=headline, tags=tags)
+
+
 def work(job: Job) -> Result:
+    if job.cp is not None:  # parallel.cp > 1: the context-parallel path, timed per rank
+        return cp_work(job)
     p, c, S = job.cfg.prefill, job.nsa, job.seq
     check_memory(job, estimate_bytes(job))
     B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch

@@ -5,6 +5,7 @@
 * :mod:`.hardware`  device detection and hardware profiles
 * :mod:`.job`       one job's run: ``run_job(cfg, entry, work)``, ``Result``
 * :mod:`.sweep`     a sweep: expansion, validation, parent run, resume, summary from the store
+* :mod:`.parallel`  context parallelism under torchrun (``parallel.cp``): the launch rule, the group
 * :mod:`.launchers` what a sweep needs from its launcher: where jobs run, SLURM's jobs and how they ended
 * :mod:`.tracking`  MLflow: the store (checked, created under a lock), runs, tags, stale runs
 * :mod:`.report`    CSVs, charts, the summary table
@@ -14,11 +15,13 @@ An entry point is a ``work(job) -> Result`` function, a ``@hydra.main`` task tha
 :func:`run_job`, and ``launch(main, "<entry>")`` as its ``__main__``.
 """
 from . import help as _help
+from . import parallel as _parallel
 from .cli import launch
 from .config import ConfigError, Job, ResourceLimit, check_memory
 from .job import Result, run_job
 from .report import Charts
 
 _help.register()  # the resolvers of conf/common.yaml's help template
+_parallel.register()  # nsa_rank_suffix: a torchrun rank's own output folder and log file
 
 __all__ = ["Charts", "ConfigError", "Job", "ResourceLimit", "Result", "check_memory", "launch", "run_job"]

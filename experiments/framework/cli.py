@@ -245,6 +245,9 @@ _MISSING = object()
 
 def launch(main: Callable[[], Any], entry: str) -> None:
     """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes."""
+    from . import parallel
+
+    parallel.pin_device()  # a torchrun rank's own GPU before anything touches CUDA
     argv = normalize(sys.argv[1:])
     precheck(argv, entry)
     sys.argv[1:] = argv

@@ -59,6 +59,7 @@ class Job:
     branch: str                  # branch_force: none | cmp | sel | win
     out_dir: Path | None = None  # the job's output directory (set by run_job)
     run: Any = None              # the job's tracking run, job.Run (set by run_job before work runs)
+    cp: Any = None               # parallel.cp > 1: this rank's parallel.Group (set by run_job before work runs)
 
 
 def one_line(e: BaseException) -> str:
@@ -95,7 +96,7 @@ PEERS = ("fla",)  # public NSA kernels with a row in prefill and decode (experim
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 RULES = {
-    "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE,
+    "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE, "parallel.cp": _INT1,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
     "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
     "decode.peers": _PEERS,
@@ -243,6 +244,10 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
     check_types(cfg)
+    if "parallel" in cfg:  # parallel.cp > 1 only under torchrun with WORLD_SIZE == cp (experiments/framework/parallel.py)
+        from . import parallel
+
+        parallel.check(cfg.parallel.cp, entry)
     if "tuning" in cfg:
         check_tuning(cfg.tuning)
     seq = cfg.seq
@@ -314,6 +319,10 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         cfg.backend[b] = plan[b]
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
+    if "parallel" in cfg:
+        from . import parallel
+
+        parallel.check_job(cfg.parallel.cp, seq, branch, device)
     if here:
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nsa import dispatch
 
-from . import cli, tracking
+from . import cli, parallel, tracking
 from .config import BRANCHES, ConfigError, Job, error_text, one_line, prepare
 from .report import Charts, write_csv
 
@@ -147,6 +147,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     try:
         job = prepare(cfg, entry)
         job.out_dir = out_dir
+        if _cp(job) and parallel.rank() > 0:  # a context-parallel rank > 0: work only, rank 0 logs the run
+            return _other_rank(job, entry, work)
         store = tracking.connect(job.cfg.tracking, entry, launch_dir)
         earlier = _earlier_run(store, resume(job), parent, out_dir) if resume else None
     except ConfigError as e:
@@ -176,9 +178,14 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     job.run = Run(rid, client, resumed=earlier is not None)
     if parent is None:
         log.info(f"[{entry}] tracking store {store.describe()}; run {rid}" + (" (resumed)" if earlier else ""))
-    status, work_s, err = "FAILED", 0.0, None
+    status, work_s, err, worked = "FAILED", 0.0, None, False
     try:
+        if _cp(job):
+            job.cp = parallel.init(job.device)
+            log.info(f"{head}: context parallel over {job.cp.world} ranks ({job.cp.backend}); rank 0 logs this run")
         params, tags = describe(job, choices)
+        if job.cp is not None:
+            tags.update(cp_world=str(job.cp.world), cp_backend=job.cp.backend)
         if earlier is not None:  # params are fixed once logged: new keys only, changes as a tag; the job's
             # overrides now (a resumed sweep matches its jobs by them; e.g. another train.time_limit_s)
             old = earlier.data.params
@@ -198,8 +205,11 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             t_work = time.perf_counter()
             try:
                 res = work(job)
+                worked = True
             finally:
                 work_s = time.perf_counter() - t_work
+                if job.cp is not None:  # the other ranks leave now, not after this rank's logging
+                    parallel.close(worked)
                 with tracking.writing(client):
                     tracking.log_batch(client, rid, tags={
                         **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
@@ -239,6 +249,33 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
     if status != "FINISHED" and parent is None:
         raise SystemExit(1)
+
+
+def _cp(job: Job) -> bool:
+    """The job runs context parallel (parallel.cp > 1, under torchrun: config.prepare checked)."""
+    return int(OmegaConf.select(job.cfg, "parallel.cp", default=1)) > 1
+
+
+def _other_rank(job: Job, entry: str, work: Callable[[Job], Result]) -> None:
+    """A context-parallel rank > 0: joins the group, runs ``work`` (its part of the collectives) and leaves;
+    no store, no run, no CSV (rank 0 gathers what it logs). A failure: its traceback in this rank's log,
+    exit 1 (torchrun then stops the other ranks, and rank 0's run ends KILLED)."""
+    head = f"[{entry}] seq={job.seq} rank {parallel.rank()}"
+    job.cp = parallel.init(job.device)
+    torch.manual_seed(int(job.cfg.seed))
+    if job.device.type == "cpu" and job.profile.get("threads"):
+        torch.set_num_threads(int(job.profile.threads))
+    ok = False
+    try:
+        work(job)
+        ok = True
+    except Exception as e:  # noqa: BLE001  (one line on the console, the traceback in the log file)
+        log.error(f"{head}: FAILED: {error_text(e)}", exc_info=True)
+    finally:
+        parallel.close(ok)
+    if not ok:
+        raise SystemExit(1)
+    log.info(f"{head}: done (rank 0 logs the run)")
 
 
 def _earlier_run(store, rid: str | None, parent: str | None, out_dir: Path):

@@ -31,7 +31,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import cli, launchers, report, tracking, views
+from . import cli, launchers, parallel, report, tracking, views
 from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
 from .job import HEADLINE, describe, identity, job_key, launcher_name
 from .logs import say
@@ -76,7 +76,11 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
     loader, out, here = sweeper.hydra_context.config_loader, [], launchers.runs_jobs_here(sweeper.launcher)
     for ov in jobs:
         try:
-            out.append(prepare(loader.load_sweep_config(sweeper.config, list(ov)), entry, here=here))
+            cfg = loader.load_sweep_config(sweeper.config, list(ov))
+            cp = OmegaConf.select(cfg, "parallel.cp", default=1)
+            if isinstance(cp, int) and cp > 1 or (parallel.torchrun_world() or 1) > 1:
+                parallel.check(cp, entry, sweep=True)  # a sweep runs no context-parallel job: one line, why
+            out.append(prepare(cfg, entry, here=here))
         except ConfigError as e:
             cli.config_exit(f"{e} [job: {' '.join(ov)}]")
         except (HydraException, OmegaConfBaseException) as e:

@@ -1,0 +1,144 @@
+"""Context parallelism in the entry points (``parallel.cp``): the launch rule, the process group, the ranks.
+
+``torchrun --nproc_per_node N -m experiments.<entry> parallel.cp=N ...`` starts N processes; each runs the
+entry point's job on its part of one sequence (:mod:`nsa.context_parallel`). Rank 0 opens, logs and ends
+the job's one MLflow run; the other ranks run ``work`` only and never touch the store
+(:func:`experiments.framework.job.run_job`). The group is NCCL on CUDA (each rank on GPU ``LOCAL_RANK``),
+gloo on the CPU, initialized from torchrun's environment (``env://``).
+
+The rule (:func:`check`, a ConfigError otherwise: one line, exit 2, no run): ``parallel.cp`` N > 1 only
+under torchrun with ``WORLD_SIZE`` == N and only for the entry points that run context parallel; under
+torchrun with more than one process, ``parallel.cp`` must be that count (else every rank would run the
+whole job and log a run of its own).
+"""
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError
+
+ENTRIES = ("parity", "prefill")  # the entry points with a context-parallel path
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+
+
+def torchrun_world() -> int | None:
+    """WORLD_SIZE where this process was started by torchrun (every variable it sets is there), else None."""
+    if not all(k in os.environ for k in TORCHRUN_ENV):
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
+def rank() -> int:
+    """This process's rank under torchrun (0 outside it)."""
+    return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
+
+
+def check(cp, entry: str, sweep: bool = False) -> None:
+    """``parallel.cp`` against how this process was launched (module docstring: the rule)."""
+    world = torchrun_world()
+    n = cp if cp != 1 else world
+    cmd = f"torchrun --nproc_per_node {n} -m experiments.{entry} parallel.cp={n} ..."
+    if sweep and (cp != 1 or (world or 1) > 1):
+        raise ConfigError(f"parallel.cp={cp}: a sweep (-m) does not run context parallel (its jobs run one after "
+                          f"another in one process, and under torchrun every rank would run the whole sweep); "
+                          f"launch one job per torchrun: {cmd}")
+    if cp != 1 and entry not in ENTRIES:
+        raise ConfigError(f"parallel.cp={cp}: experiments.{entry} has no context-parallel path; "
+                          f"only {', '.join(f'experiments.{e}' for e in ENTRIES)} run with parallel.cp > 1")
+    if entry not in ENTRIES and (world or 1) > 1:
+        raise ConfigError(f"parallel.cp={cp}: experiments.{entry} runs in one process, not under torchrun with "
+                          f"WORLD_SIZE={world} (every rank would run the whole job and log a run of its own)")
+    if cp != 1 and world is None:
+        raise ConfigError(f"parallel.cp={cp}: parallel.cp > 1 runs one process per rank under torchrun with "
+                          f"WORLD_SIZE == parallel.cp ({cmd}); this process was not started by torchrun")
+    if world is not None and world != cp:
+        raise ConfigError(f"parallel.cp={cp}: must equal torchrun's WORLD_SIZE={world} (one process per rank: "
+                          f"torchrun --nproc_per_node {world} -m experiments.{entry} parallel.cp={world} ...)")
+
+
+def check_job(cp: int, seq: int, branch: str, device: torch.device | None = None) -> None:
+    """What a context-parallel job needs: the sequence cut into 2 x cp equal chunks (each rank holds one
+    early and one late chunk, nsa.context_parallel.shard), every branch (the context-parallel path runs the
+    gated sum of all three; branch_force times one alone on one device), and on CUDA a GPU of its own per
+    rank of this host."""
+    if cp > 1 and device is not None and device.type == "cuda":
+        local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local >= n:
+            raise ConfigError(f"parallel.cp={cp}: local rank {local} has no GPU of its own ({n} visible here); "
+                              f"torchrun --nproc_per_node at most {n} on this host, one GPU per rank")
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"seq={seq}: parallel.cp={cp} cuts the sequence into 2 x {cp} = {2 * cp} equal chunks; "
+                          f"seq must be a multiple of {2 * cp}")
+    if cp > 1 and branch != "none":
+        raise ConfigError(f"branch_force={branch}: parallel.cp > 1 runs the gated sum of all branches "
+                          "(nsa.context_parallel.nsa_attention); use branch_force=none")
+
+
+def rank_suffix() -> str:
+    """``.rank<r>`` in a torchrun process of rank r > 0, else "": resolver ``nsa_rank_suffix`` of the
+    output folder (conf/common.yaml) and the log file (conf/hydra/job_logging/nsa.yaml), so that the ranks
+    of one launch do not write one log file (rank 0's keeps its usual name)."""
+    r = rank()
+    return f".rank{r}" if r > 0 else ""
+
+
+def register() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("nsa_rank_suffix"):
+        OmegaConf.register_new_resolver("nsa_rank_suffix", rank_suffix)
+
+
+@dataclass
+class Group:
+    """A job's context-parallel group (``job.cp``): this process's rank of ``world``."""
+
+    group: object       # torch.distributed ProcessGroup (the world)
+    rank: int
+    world: int
+    backend: str        # nccl | gloo
+
+
+def pin_device() -> None:
+    """Under torchrun on a CUDA host, GPU ``LOCAL_RANK`` is this process's current device from the start,
+    before the config's checks touch CUDA (a backend's availability check on GPU 0 from every rank would
+    put a CUDA context of each rank on GPU 0)."""
+    if torchrun_world() is not None and torch.cuda.is_available():
+        local = int(os.environ["LOCAL_RANK"])
+        if local < torch.cuda.device_count():  # else a CUDA job is refused by check_job (one GPU per rank)
+            torch.cuda.set_device(local)
+
+
+def init(device: torch.device) -> Group:
+    """The world group from torchrun's environment: NCCL on CUDA (this rank on GPU LOCAL_RANK, set as the
+    current device, so ``device`` "cuda" tensors land there), gloo on the CPU."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    return Group(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), dist.get_backend())
+
+
+def close(ok: bool) -> None:
+    """Leave the group. After a job that ran to its end (``ok``), the ranks first meet at a barrier (none
+    closes its connections while another still exchanges with it). Every tensor and autograd node of the
+    job must be gone before the group is destroyed (an all_gather's autograd node holds the group): a gloo
+    group left to die during interpreter finalization can abort the process (SIGABRT, seen in CI:
+    tests/test_context_parallel.py). After a failure, no barrier: the other ranks may be gone, and torchrun
+    stops them when one exits non-zero."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if ok:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
