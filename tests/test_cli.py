@@ -17,7 +17,7 @@ import pytest
 from entrypoints import ENTRIES, REPO, argv, documented_commands, one_line, start, wait
 from mlflow import MlflowClient
 
-from experiments.framework import cli, sweep
+from experiments.framework import cli, hardware, sweep
 
 CARD = ["hardware=h100", "-m", "seq=512,1024,2048,4096"]  # the design card's command
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
@@ -201,6 +201,32 @@ def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
     assert rc == 2 and one_line(err) == [
         "config error: hardware=h100 does not match the detected device " + err.split("detected device ")[1].strip()]
     assert "use hardware=auto, or hardware.strict=false" in err and not (tmp / "outputs").exists()
+
+
+# A GPU profile forced onto this CPU (hardware.strict=false): the timed entry points refuse it in one line,
+# single runs and sweeps alike, before the GPU backends' availability is looked at (issue 32).
+GPU_PROFILE_ON_CPU = {
+    "decode": ("decode", ["hardware=rtx4090", "hardware.strict=false"]),
+    "kernels_sweep": ("kernels", ["hardware=h100", "hardware.strict=false", "model=tiny", "-m", "seq=64,128"]),
+    "train": ("train", ["hardware=h200", "hardware.strict=false"]),
+}
+
+
+@pytest.mark.skipif(hardware.detect().type == "cuda", reason="the rule is about a machine without the GPU")
+def test_a_gpu_profile_is_never_timed_on_a_cpu(tmp_path):
+    template = entrypoints.make_template(tmp_path / "template.db")
+    procs = {}
+    for k, (entry, args) in GPU_PROFILE_ON_CPU.items():
+        (tmp_path / k).mkdir()
+        procs[k] = (tmp_path / k, start(tmp_path / k, entry, *args, name=k, template=template))
+    for k, (tmp, rc, _out, err, _) in _finish(procs, time.perf_counter()).items():
+        lines, name = one_line(err), GPU_PROFILE_ON_CPU[k][1][0]
+        assert rc == 2 and len(lines) == 1, (k, err[-2000:])
+        assert lines[0].startswith(f"config error: {name}: a GPU profile is timed on its GPU only"), (k, lines[0])
+        assert "use hardware=cpu (or hardware=auto)" in lines[0], lines[0]
+        assert not (tmp / "out").exists() and not (tmp / "outputs").exists()
+        c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+        assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())  # none RUNNING, none at all
 
 
 def test_card_command_runs_here_as_written(cli_runs):

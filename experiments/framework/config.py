@@ -32,6 +32,9 @@ ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # exp
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
 ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config"}
+# Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
+# nothing meaningful on a CPU, so these refuse one there (check_timed_device).
+TIMED = ("decode", "prefill", "kernels", "train")
 
 
 class ConfigError(ValueError):
@@ -324,6 +327,26 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         except ValueError as e:
             raise ConfigError(one_line(e)) from e
     return job
+
+
+def check_timed_device(cfg: DictConfig, entry: str) -> None:
+    """ConfigError (one line) where a timed entry point would run a GPU profile on this host's CPU. A
+    profile forced with ``hardware.strict=false`` composes and validates anywhere (parity and validate
+    run with it; :func:`prepare` stays free of this rule, so tests compose GPU profiles on a CPU), but
+    timings there would be the CPU's under the GPU's settings (dtype, threads, policy, peaks). Called
+    on the composed config where the job runs, before :func:`prepare`, so this is the line a user
+    sees rather than a GPU backend's unavailability."""
+    if entry not in TIMED:
+        return
+    try:
+        profile, _ = hardware.resolve_profile(cfg.hardware)
+    except hardware.HardwareMismatch:
+        return  # a strict profile that does not match: prepare() says so
+    dev = hardware.detect()
+    if profile.get("device") == "cuda" and dev.type != "cuda":
+        raise ConfigError(
+            f"hardware={profile.name}: a GPU profile is timed on its GPU only, and this machine has none "
+            f"({dev.describe()}), whatever hardware.strict says; use hardware=cpu (or hardware=auto) here")
 
 
 def check_memory(job: Job, est_bytes: float, detail: str = "") -> None:

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from nsa import dispatch
 
 from . import cli, tracking
-from .config import BRANCHES, ConfigError, Job, error_text, one_line, prepare
+from .config import BRANCHES, ConfigError, Job, check_timed_device, error_text, one_line, prepare
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
@@ -145,6 +145,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     parent = cfg.tracking.get("parent_run_id")
     tags = {"sweep_job": json.dumps(key), **({"launcher": launcher_name(hc)} if parent and hc else {})}
     try:
+        check_timed_device(cfg, entry)
         job = prepare(cfg, entry)
         job.out_dir = out_dir
         store = tracking.connect(job.cfg.tracking, entry, launch_dir)

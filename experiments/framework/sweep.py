@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, report, tracking, views
-from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
+from .config import ConfigError, Job, check_timed_device, error_text, one_line, out_of_space, prepare
 from .job import HEADLINE, describe, identity, job_key, launcher_name
 from .logs import say
 
@@ -76,7 +76,10 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
     loader, out, here = sweeper.hydra_context.config_loader, [], launchers.runs_jobs_here(sweeper.launcher)
     for ov in jobs:
         try:
-            out.append(prepare(loader.load_sweep_config(sweeper.config, list(ov)), entry, here=here))
+            c = loader.load_sweep_config(sweeper.config, list(ov))
+            if here:
+                check_timed_device(c, entry)
+            out.append(prepare(c, entry, here=here))
         except ConfigError as e:
             cli.config_exit(f"{e} [job: {' '.join(ov)}]")
         except (HydraException, OmegaConfBaseException) as e:
