@@ -229,6 +229,22 @@ def test_a_gpu_profile_is_never_timed_on_a_cpu(tmp_path):
         assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())  # none RUNNING, none at all
 
 
+@pytest.mark.skipif(hardware.detect().type == "cuda", reason="a CPU machine's message")
+def test_bare_kernels_on_a_cpu_says_how_to_run_them_here(tmp_path):
+    """Bare ``python -m experiments.kernels`` (no TRITON_INTERPRET): the one line gives the interpreter's
+    command, not the backends' "choose another backend, or allow a fallback" (kernels times triton
+    whatever backend says). The command it gives is the documented CPU one's, for the op asked."""
+    rc, out, err = wait(start(tmp_path, "kernels", name=None, store=False), timeout=120)
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: TRITON_INTERPRET is not set"), err[-2000:]
+    assert "fallback" not in lines[0] and "another backend" not in lines[0]
+    hint = lines[0].split("here: ", 1)[1].split(" (")[0]
+    assert hint == "TRITON_INTERPRET=1 python -m experiments.kernels op=selection model=tiny seq=64"
+    tested = next(c for c in local_commands() if c.startswith("TRITON_INTERPRET=1 python -m experiments.kernels"))
+    assert set(hint.replace("op=selection", "op=gate").split()) <= set(tested.split()), tested  # run as written above
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output folder, no store
+
+
 def test_card_command_runs_here_as_written(cli_runs):
     """``hardware=cpu -m seq=256,512``: overrides before -m, and the end-of-sweep summary."""
     tmp, rc, out, err, _ = cli_runs["python -m experiments.decode hardware=cpu -m seq=256,512"]

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import nsa
-from nsa import dispatch
+from nsa import dispatch, env
 from nsa.dispatch import BRANCHES
 from nsa.toolchain import ToolchainError, check_toolchain
 
@@ -170,6 +170,16 @@ def branches_used(entry: str, branch: str) -> tuple[str, ...]:
     return used if entry == "parity" or "cmp" in used else ("cmp", *used)
 
 
+def kernels_on_cpu(cfg: DictConfig) -> str:
+    """experiments.kernels on a CPU without Triton's interpreter: what to run instead. It times triton
+    kernels whatever ``backend`` says, so another backend or a fallback is no answer; on a CPU they run
+    only under the interpreter, one program at a time, so at tiny shapes."""
+    op = OmegaConf.select(cfg, "op.name", default="selection")
+    return ("TRITON_INTERPRET is not set: experiments.kernels times triton kernels, which run on a CPU only under "
+            f"Triton's interpreter, at tiny shapes; here: TRITON_INTERPRET=1 python -m experiments.kernels op={op} "
+            "model=tiny seq=64 (or run it on a GPU)")
+
+
 def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype: torch.dtype,
                    branches: tuple[str, ...]) -> None:
     """Each backend's own availability check (``nsa.dispatch.choose``) for this device and dtype."""
@@ -318,6 +328,8 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     if "parity" in cfg and dname not in cfg.parity.tol:
         raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
     if here:
+        if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
+            raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
     if entry in ENTRY_CHECKS:

@@ -101,13 +101,17 @@ def _hydra():
 def _remove_empty_output_dir(hc) -> None:
     """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
     its own .hydra/ and the (empty) log file."""
-    out = Path(hc.runtime.output_dir)
+    out, top = Path(hc.runtime.output_dir).absolute(), Path(hc.runtime.cwd).absolute()
     if out.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out.iterdir()):
         shutil.rmtree(out, ignore_errors=True)
-        try:
-            out.parent.rmdir()  # only if now empty
-        except OSError:
-            pass
+        # the folders Hydra made above it (outputs/<entry>/), each only if now empty, up to the launch dir
+        for up in out.parents:
+            if up == top or top not in up.parents:
+                break
+            try:
+                up.rmdir()
+            except OSError:
+                break
 
 
 def identity(job: Job) -> list[tuple[str, str | None]]:
