@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 
 from experiments.framework import cli, hardware, sweep
 
+CPU_NOTE = sweep.CPU_FIGURES  # what times from a CPU are, under a sweep's and a single run's last lines
 CARD = ["hardware=h100", "-m", "seq=512,1024,2048,4096"]  # the design card's command
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
@@ -243,6 +244,31 @@ def test_bare_kernels_on_a_cpu_says_how_to_run_them_here(tmp_path):
     tested = next(c for c in local_commands() if c.startswith("TRITON_INTERPRET=1 python -m experiments.kernels"))
     assert set(hint.replace("op=selection", "op=gate").split()) <= set(tested.split()), tested  # run as written above
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output folder, no store
+
+
+# Single runs, cheap: kernels' gate op under the interpreter, three training steps.
+SINGLE = {"kernels": (["op=gate", "model=tiny", "seq=64", "kernels.cpu_repeats=1", "kernels.peers=false"],
+                      {"TRITON_INTERPRET": "1"}),
+          "train": (["train=smoke", "train.steps=2"], {})}
+
+
+@pytest.mark.parametrize("entry", SINGLE)
+def test_single_runs_end_like_sweeps(entry, tmp_path):
+    """A single run's last lines, as a sweep's: its outputs folder, the ``mlflow ui`` command with the store
+    and its run's page, and on a CPU what its times are (kernels; train's figures are not times)."""
+    args, extra = SINGLE[entry]
+    rc, out, err = wait(start(tmp_path, entry, *args, name=None, template=entrypoints.make_template(
+        tmp_path / "template.db"), extra_env=extra), timeout=120)
+    assert rc == 0, err[-3000:]
+    (run,) = entrypoints.runs(tmp_path / "mlflow.db", entry)[1]
+    rid, eid = run.info.run_id, run.info.experiment_id
+    assert "FINISHED in " in err and err.rstrip().endswith(f"run {rid}"), err[-2000:]
+    cpu = [CPU_NOTE] if entry == "kernels" else []
+    (out_dir,) = (tmp_path / "outputs" / entry).iterdir()
+    assert out.rstrip().splitlines()[-2 - len(cpu):] == [
+        f"outputs: {out_dir.relative_to(tmp_path)}",
+        f"MLflow:  mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}  # then open "
+        f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}", *cpu], out[-2000:]
 
 
 def test_card_command_runs_here_as_written(cli_runs):

@@ -42,6 +42,10 @@ log = logging.getLogger("experiments")
 HEADLINE = "0_"  # prefix of a job's headline metrics: they sort first in MLflow's tables and charts
 # Overrides a sweeper adds to each job (its store and parent); not part of what tells jobs apart.
 SWEEPER_KEYS = ("tracking.uri", "tracking.parent_run_id")
+# Entry points whose headline figures are times, and what such figures are when they ran on a CPU.
+TIME_FIGURES = ("decode", "prefill", "kernels")
+CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
+               "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
 
 
 @dataclass
@@ -242,8 +246,21 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             log.error(f"{head}: {e}")
     log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {work_s:.2f} s, "
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
-    if status != "FINISHED" and parent is None:
-        raise SystemExit(1)
+    if parent is None:  # a sweep ends so too, from the sweeper (sweep._finish)
+        print(closing(store, rid, out_dir, launch_dir, entry in TIME_FIGURES and job.device.type == "cpu"))
+        if status != "FINISHED":
+            raise SystemExit(1)
+
+
+def closing(store, rid: str, out_dir: Path, launch_dir: Path, cpu_times: bool) -> str:
+    """A single run's last lines on stdout, as a sweep's end: where its files are, and how to open its
+    run in MLflow's UI (the command with the store, the run's page); ``cpu_times``: what its times are."""
+    try:
+        out_dir = out_dir.relative_to(launch_dir)
+    except ValueError:
+        pass
+    page = f"#/experiments/{store.experiment_id}/runs/{rid}"
+    return f"outputs: {out_dir}\nMLflow:  {store.ui_hint(page)}" + (f"\n{CPU_FIGURES}" if cpu_times else "")
 
 
 def _earlier_run(store, rid: str | None, parent: str | None, out_dir: Path):

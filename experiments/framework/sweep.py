@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, report, tracking, views
 from .config import ConfigError, Job, check_timed_device, error_text, one_line, out_of_space, prepare
-from .job import HEADLINE, describe, identity, job_key, launcher_name
+from .job import CPU_FIGURES, HEADLINE, TIME_FIGURES, describe, identity, job_key, launcher_name
 from .logs import say
 
 _SAFE = re.compile(r"[\w./:@%+-]+")
@@ -223,12 +223,6 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     return rid
 
 
-# Entry points whose headline figures are times, and what such figures are when the jobs ran on a CPU.
-TIMED = ("decode", "prefill", "kernels")
-CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
-               "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
-
-
 def _fixed(first: Job, swept: dict) -> list[str]:
     """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
     hardware, models or backends are told apart): :func:`job.identity`, each part unless swept."""
@@ -406,7 +400,7 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] {where}")
     key = next((k for k in view if k), None)
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(views.link(store.experiment_id, key) if key else None)}")
-    if entry in TIMED and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
+    if entry in TIME_FIGURES and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
         print(CPU_FIGURES)
     if status == "FAILED":
         print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")
