@@ -1,7 +1,8 @@
 """One job: the task body every entry point runs (``@hydra.main`` -> :func:`run_job`).
 
-1. :func:`~experiments.framework.config.prepare` validates the config. A ConfigError in a single run:
-   one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
+1. :func:`~experiments.framework.config.prepare` validates the config (after
+   :func:`~experiments.framework.config.check_timed_device`: no GPU profile timed on a CPU). A
+   ConfigError in a single run: one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
    started; a job that still fails validation, e.g. on another host, ends as a FAILED child.)
 2. A run is created in ``nsa-<entry>``: a child of ``tracking.parent_run_id`` when a sweep passed one,
    tagged with the environment, the owning process, the job's overrides (``sweep_job``) and in a
@@ -11,10 +12,11 @@
    directory names its run) reopens that run instead of creating one.
 3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
    run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
-   job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1. A store that fails once
-   the run is open (a full disk: ``tracking.StoreError``) fails the job in one line naming the store,
-   and the run ends FAILED with it where the store still takes that (else the line says what is left
-   and the ``close_stale`` command).
+   job's log), or KILLED on SIGINT/SIGTERM. A single run ends as a sweep does: its status line with the
+   run id, then on stdout its outputs folder and the ``mlflow ui`` command of its run (:func:`closing`);
+   one that failed exits 1. A store that fails once the run is open (a full disk:
+   ``tracking.StoreError``) fails the job in one line naming the store, and the run ends FAILED with it
+   where the store still takes that (else the line says what is left and the ``close_stale`` command).
 """
 from __future__ import annotations
 
