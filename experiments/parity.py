@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from nsa import context_parallel as cp
 from nsa import dispatch, functional, reference
 from nsa.backends.triton import poisoned_outputs
+from nsa.numerics import rel_l2
 
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 from .framework.config import DTYPES
@@ -235,7 +236,7 @@ def work(job: Job) -> Result:
         ref_max = 0.0 if empty else float(r.abs().max())
         err = {"mean_abs_err": 0.0 if empty else float(d.abs().mean()),
                "max_abs_err": 0.0 if empty else float(d.abs().max()),
-               "rel_l2_err": 0.0 if empty else float(d.norm() / r.norm().clamp_min(1e-30))}
+               "rel_l2_err": rel_l2(a, r)}
         limit = tol.max_abs * max(1.0, ref_max)  # max_abs tolerances scale with the tensor's magnitude
         ok = err["max_abs_err"] <= limit and err["rel_l2_err"] <= tol.rel_l2
         rows.append({"seq_tokens": S, "tensor": name, "dtype": str(dt).replace("torch.", ""),

@@ -24,12 +24,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from decode_variants import kernel_times, model, rel  # noqa: E402
+from decode_variants import kernel_times, model  # noqa: E402
 
 from experiments import measure  # noqa: E402
 from nsa import NSAAttention  # noqa: E402
 from nsa.backends.triton import tuning  # noqa: E402
 from nsa.decode import GraphDecoder  # noqa: E402
+from nsa.numerics import rel_l2  # noqa: E402
 
 CACHES = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win")
 
@@ -99,7 +100,7 @@ def main() -> None:
                 try:
                     got, res[v] = variant(layer, c, B, S, x, v, a, dev, dt)
                     ref = got if ref is None else ref
-                    res[v]["err"] = {k: rel(got[k], ref[k]) for k in got}
+                    res[v]["err"] = {k: rel_l2(got[k], ref[k]) for k in got}
                 except Exception as e:  # noqa: BLE001 -- a variant that fails is reported, the others still run
                     res[v] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
                     print(f"   {mname} S={S} {v}: FAILED {res[v]['error']}", flush=True)

@@ -27,6 +27,7 @@ from experiments import measure  # noqa: E402
 from nsa import NSAConfig  # noqa: E402
 from nsa.backends.triton import tuning  # noqa: E402
 from nsa.backends.triton.decode import DecodeKernels  # noqa: E402
+from nsa.numerics import rel_l2  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,10 +35,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def model(name: str) -> NSAConfig:
     nsa = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())["nsa"]
     return NSAConfig(**nsa)
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def kernel_times(fn, dev, n=20) -> dict[str, float]:
@@ -103,7 +100,7 @@ def main() -> None:
                 o = fn().clone()
                 if ref_o is None:
                     ref_o, ref_i = o, k.indices.clone()
-                err = rel(o, ref_o)
+                err = rel_l2(o, ref_o)
                 mism = float((k.indices != ref_i).float().mean())
                 ms = measure.quantiles([t / a.reps for t in measure.time_ms(
                     measure.graph_step(measure.repeated(fn, a.reps), dev), dev, 5, a.repeats)])["p50_ms"]

@@ -17,8 +17,9 @@ import pytest
 from entrypoints import ENTRIES, REPO, argv, documented_commands, one_line, start, wait
 from mlflow import MlflowClient
 
-from experiments.framework import cli, sweep
+from experiments.framework import cli, hardware, sweep
 
+CPU_NOTE = sweep.CPU_FIGURES  # what times from a CPU are, under a sweep's and a single run's last lines
 CARD = ["hardware=h100", "-m", "seq=512,1024,2048,4096"]  # the design card's command
 # A command that needs a GPU (or the Triton interpreter): on this CPU machine, the one-line refusal.
 NEEDS_GPU = re.compile(r"hardware=(h200|h100|a100|rtx4090)\b|backend=(triton|fa2|sdpa)\b")
@@ -201,6 +202,73 @@ def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
     assert rc == 2 and one_line(err) == [
         "config error: hardware=h100 does not match the detected device " + err.split("detected device ")[1].strip()]
     assert "use hardware=auto, or hardware.strict=false" in err and not (tmp / "outputs").exists()
+
+
+# A GPU profile forced onto this CPU (hardware.strict=false): the timed entry points refuse it in one line,
+# single runs and sweeps alike, before the GPU backends' availability is looked at (issue 32).
+GPU_PROFILE_ON_CPU = {
+    "decode": ("decode", ["hardware=rtx4090", "hardware.strict=false"]),
+    "kernels_sweep": ("kernels", ["hardware=h100", "hardware.strict=false", "model=tiny", "-m", "seq=64,128"]),
+    "train": ("train", ["hardware=h200", "hardware.strict=false"]),
+}
+
+
+@pytest.mark.skipif(hardware.detect().type == "cuda", reason="the rule is about a machine without the GPU")
+def test_a_gpu_profile_is_never_timed_on_a_cpu(tmp_path):
+    template = entrypoints.make_template(tmp_path / "template.db")
+    procs = {}
+    for k, (entry, args) in GPU_PROFILE_ON_CPU.items():
+        (tmp_path / k).mkdir()
+        procs[k] = (tmp_path / k, start(tmp_path / k, entry, *args, name=k, template=template))
+    for k, (tmp, rc, _out, err, _) in _finish(procs, time.perf_counter()).items():
+        lines, name = one_line(err), GPU_PROFILE_ON_CPU[k][1][0]
+        assert rc == 2 and len(lines) == 1, (k, err[-2000:])
+        assert lines[0].startswith(f"config error: {name}: a GPU profile is timed on its GPU only"), (k, lines[0])
+        assert "use hardware=cpu (or hardware=auto)" in lines[0], lines[0]
+        assert not (tmp / "out").exists() and not (tmp / "outputs").exists()
+        c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+        assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())  # none RUNNING, none at all
+
+
+@pytest.mark.skipif(hardware.detect().type == "cuda", reason="a CPU machine's message")
+def test_bare_kernels_on_a_cpu_says_how_to_run_them_here(tmp_path):
+    """Bare ``python -m experiments.kernels`` (no TRITON_INTERPRET): the one line gives the interpreter's
+    command, not the backends' "choose another backend, or allow a fallback" (kernels times triton
+    whatever backend says). The command it gives is the documented CPU one's, for the op asked."""
+    rc, out, err = wait(start(tmp_path, "kernels", name=None, store=False), timeout=120)
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: TRITON_INTERPRET is not set"), err[-2000:]
+    assert "fallback" not in lines[0] and "another backend" not in lines[0]
+    hint = lines[0].split("here: ", 1)[1].split(" (")[0]
+    assert hint == "TRITON_INTERPRET=1 python -m experiments.kernels op=selection model=tiny seq=64"
+    tested = next(c for c in local_commands() if c.startswith("TRITON_INTERPRET=1 python -m experiments.kernels"))
+    assert set(hint.replace("op=selection", "op=gate").split()) <= set(tested.split()), tested  # run as written above
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output folder, no store
+
+
+# Single runs, cheap: kernels' gate op under the interpreter, three training steps.
+SINGLE = {"kernels": (["op=gate", "model=tiny", "seq=64", "kernels.cpu_repeats=1", "kernels.peers=false"],
+                      {"TRITON_INTERPRET": "1"}),
+          "train": (["train=smoke", "train.steps=2"], {})}
+
+
+@pytest.mark.parametrize("entry", SINGLE)
+def test_single_runs_end_like_sweeps(entry, tmp_path):
+    """A single run's last lines, as a sweep's: its outputs folder, the ``mlflow ui`` command with the store
+    and its run's page, and on a CPU what its times are (kernels; train's figures are not times)."""
+    args, extra = SINGLE[entry]
+    rc, out, err = wait(start(tmp_path, entry, *args, name=None, template=entrypoints.make_template(
+        tmp_path / "template.db"), extra_env=extra), timeout=120)
+    assert rc == 0, err[-3000:]
+    (run,) = entrypoints.runs(tmp_path / "mlflow.db", entry)[1]
+    rid, eid = run.info.run_id, run.info.experiment_id
+    assert "FINISHED in " in err and err.rstrip().endswith(f"run {rid}"), err[-2000:]
+    cpu = [CPU_NOTE] if entry == "kernels" else []
+    (out_dir,) = (tmp_path / "outputs" / entry).iterdir()
+    assert out.rstrip().splitlines()[-2 - len(cpu):] == [
+        f"outputs: {out_dir.relative_to(tmp_path)}",
+        f"MLflow:  mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}  # then open "
+        f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}", *cpu], out[-2000:]
 
 
 def test_card_command_runs_here_as_written(cli_runs):

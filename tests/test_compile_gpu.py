@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nsa import NSAAttention, NSAConfig, dispatch, env
+from nsa.numerics import rel_l2
 from nsa.toolchain import parse_version
 
 pytestmark = [
@@ -38,10 +39,6 @@ TOL = 2e-2
 # q.b, which no softmax sees (Eq. 7-8). In float64 its gradient is 2e-16 of phi_k.fc2.weight's; in bf16 each run
 # holds rounding noise (8e-4 of it in eager bf16 on the CPU), so compiled and eager share no digits there.
 ZERO_GRAD = {"phi_k.fc2.bias": "phi_k.fc2.weight"}
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def _step(m, x, run=None):
@@ -71,14 +68,14 @@ def test_layer_compiles_fullgraph_with_inductor(backend):
     with dispatch.record() as rec:
         y1, g1, gx1 = _step(m, x, torch.compile(m, fullgraph=True, backend="inductor"))
     assert rec.ran == {"cmp": backend, "sel": backend, "win": backend}, rec
-    assert y1.dtype == BF16 and _rel(y1, y0) <= TOL, _rel(y1, y0)
+    assert y1.dtype == BF16 and rel_l2(y1, y0) <= TOL, rel_l2(y1, y0)
     for name in g0:
         if name in ZERO_GRAD:  # rounding noise in both runs: small against its layer's gradient
             for g in (g0, g1):
                 assert g[name].float().norm() <= TOL * g[ZERO_GRAD[name]].float().norm(), (name, g[name])
         else:
-            assert _rel(g1[name], g0[name]) <= TOL, (name, _rel(g1[name], g0[name]))
-    assert _rel(gx1, gx0) <= TOL, _rel(gx1, gx0)
+            assert rel_l2(g1[name], g0[name]) <= TOL, (name, rel_l2(g1[name], g0[name]))
+    assert rel_l2(gx1, gx0) <= TOL, rel_l2(gx1, gx0)
 
 
 def test_triton_layer_compiles_fullgraph_without_grad():
@@ -87,4 +84,4 @@ def test_triton_layer_compiles_fullgraph_without_grad():
     with torch.no_grad():
         y0 = m(x)
         y1 = torch.compile(m, fullgraph=True, backend="inductor")(x)
-    assert _rel(y1, y0) <= TOL, _rel(y1, y0)
+    assert rel_l2(y1, y0) <= TOL, rel_l2(y1, y0)

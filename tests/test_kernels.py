@@ -38,7 +38,8 @@ BAD = {
     "bad_value_in_sweep": (["op=topn", "-m", "tuning.topn.warps=1,0"], INTERPRET,
                            ["tuning.topn.warps=0: must be a positive integer"]),
     "unknown_op_option": (["op=nope"], INTERPRET, ["op=nope: unknown op option"]),
-    "no_interpreter": (["op=gate"], {}, ["backend.cmp=triton", "TRITON_INTERPRET=1"]),
+    "no_interpreter": (["op=gate"], {}, ["TRITON_INTERPRET is not set",
+                                         "here: TRITON_INTERPRET=1 python -m experiments.kernels op=gate model=tiny seq=64"]),
 }
 # prefill/decode runs whose fla row cannot run here: (entry, arguments, the reason in tag peer_fla)
 G16 = ["model.nsa.n_heads=16", "model.nsa.n_kv_heads=1"]

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from nsa import NSAConfig, reference
 from nsa.backends.triton import poisoned_outputs, selection, triton_unsupported, tuning
+from nsa.numerics import rel_l2
 from nsa.varlen import Varlen
 
 _OLD_INTERPRETER = triton_unsupported()  # from triton.__version__: None on triton >= 3.0
@@ -75,12 +76,6 @@ def _inputs(case, dtype, seed):
     return cfg, q_start, [x.to(dtype) for x in (q, k, v)], w, idx
 
 
-def _rel(a, b):
-    a, b = a.to(F64), b.to(F64)
-    assert torch.isfinite(a).all(), "non-finite values (unwritten or poisoned output)"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 @pytest.fixture(autouse=True)
 def _poison():
     with poisoned_outputs():
@@ -97,10 +92,10 @@ def _check(fn, cfg, q_start, xs, w, idx, dtype, ref_fn=None):
     ref_fn = ref_fn or (lambda q, k, v, i: reference.selected_attention(q, k, v, i, cfg, q_start=q_start))
     o_r = ref_fn(*xs_r, idx)
     (o_r * w).sum().backward()
-    assert _rel(o, o_r) <= tol, ("o", _rel(o, o_r))
+    assert rel_l2(o, o_r) <= tol, ("o", rel_l2(o, o_r))
     for name, a, b in zip(("dq", "dk", "dv"), xs_t, xs_r):
         assert a.grad.dtype == dtype
-        assert _rel(a.grad, b.grad) <= tol, (name, _rel(a.grad, b.grad))
+        assert rel_l2(a.grad, b.grad) <= tol, (name, rel_l2(a.grad, b.grad))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: log2(0), 0/0 in masked-off rows
@@ -254,7 +249,7 @@ def test_backend_dispatch_runs_triton():
         o = be.selected(*xs, idx, cfg, scale=None, q_start=q_start)
     assert rec.ran["sel"] == "triton"
     ref = reference.selected_attention(*(x.to(F64) for x in xs), idx, cfg, q_start=q_start)
-    assert _rel(o, ref) <= 1e-5
+    assert rel_l2(o, ref) <= 1e-5
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -284,7 +279,7 @@ def test_selected_gated_matches_reference(monkeypatch, case, dtype, mode):
     gg = gates.to(F64).unsqueeze(-1)
     ref = gg[..., 0, :] * o_cmp.to(F64) + gg[..., 1, :] * o_sel + gg[..., 2, :] * o_win.to(F64)
     assert o.dtype == dtype and o.shape == ref.shape
-    assert _rel(o, ref) <= (1e-6 if dtype == torch.float32 else 2e-3), _rel(o, ref)
+    assert rel_l2(o, ref) <= (1e-6 if dtype == torch.float32 else 2e-3), rel_l2(o, ref)
 
 
 def test_selected_gated_refuses_gradients_and_bad_shapes():

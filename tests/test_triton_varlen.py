@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from nsa import dispatch  # noqa: E402
 from nsa import functional as fn  # noqa: E402
 from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning  # noqa: E402
+from nsa.numerics import rel_l2  # noqa: E402
 from nsa.varlen import Varlen  # noqa: E402
 
 _OLD_INTERPRETER = triton_unsupported()
@@ -51,12 +52,6 @@ def _poison():
         yield
 
 
-def _rel(a, b):
-    a, b = a.to(F64), b.to(F64)
-    assert torch.isfinite(a).all(), "non-finite values (unwritten or poisoned output)"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _run(cfg, backend, x, cu, **kw):
     return fn.nsa_attention(*(x[a] for a in ARG_ORDER), cfg, backend=backend, cu_seqlens=cu, return_indices=True,
                             **kw)
@@ -82,11 +77,11 @@ def test_nsa_attention_matches_each_document_alone(G, Dk, Dv, mode):
         grads = torch.autograd.grad(o, [x[a] for a in ARG_ORDER], w)
     assert rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
     x64, ro, ridx = _reference_per_document(cfg, x)
-    assert o.dtype == torch.float32 and _rel(o, ro) <= 1e-5, _rel(o, ro)
+    assert o.dtype == torch.float32 and rel_l2(o, ro) <= 1e-5, rel_l2(o, ro)
     assert torch.equal(idx, ridx)
     rgrads = torch.autograd.grad(ro, [x64[a] for a in ARG_ORDER], w.to(F64))
     for name, g, rg in zip(ARG_ORDER, grads, rgrads):
-        assert _rel(g, rg) <= 1e-5, (name, _rel(g, rg))
+        assert rel_l2(g, rg) <= 1e-5, (name, rel_l2(g, rg))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -103,7 +98,7 @@ def test_forward_without_gradient_fused_gate_and_score_chunks(G):
                                                 "selection": {"mode": mode}}):
             o, idx = _run(cfg, "triton", x, Varlen(cu_of(LENS)))
         assert torch.equal(idx, ridx), mode
-        assert _rel(o, ro) <= 1e-5, (mode, _rel(o, ro))
+        assert rel_l2(o, ro) <= 1e-5, (mode, rel_l2(o, ro))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import nsa
-from nsa import dispatch
+from nsa import dispatch, env
 from nsa.dispatch import BRANCHES
 from nsa.toolchain import ToolchainError, check_toolchain
 
@@ -32,6 +32,9 @@ ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # exp
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
 ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config"}
+# Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
+# nothing meaningful on a CPU, so these refuse one there (check_timed_device).
+TIMED = ("decode", "prefill", "kernels", "train")
 
 
 class ConfigError(ValueError):
@@ -166,6 +169,16 @@ def branches_used(entry: str, branch: str) -> tuple[str, ...]:
         return BRANCHES
     used = {"cmp": ("cmp",), "sel": ("cmp", "sel"), "win": ("win",)}[branch]
     return used if entry == "parity" or "cmp" in used else ("cmp", *used)
+
+
+def kernels_on_cpu(cfg: DictConfig) -> str:
+    """experiments.kernels on a CPU without Triton's interpreter: what to run instead. It times triton
+    kernels whatever ``backend`` says, so another backend or a fallback is no answer; on a CPU they run
+    only under the interpreter, one program at a time, so at tiny shapes."""
+    op = OmegaConf.select(cfg, "op.name", default="selection")
+    return ("TRITON_INTERPRET is not set: experiments.kernels times triton kernels, which run on a CPU only under "
+            f"Triton's interpreter, at tiny shapes; here: TRITON_INTERPRET=1 python -m experiments.kernels op={op} "
+            "model=tiny seq=64 (or run it on a GPU)")
 
 
 def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype: torch.dtype,
@@ -324,6 +337,8 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
 
         parallel.check_job(cfg.parallel.cp, seq, branch, device)
     if here:
+        if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
+            raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
     if entry in ENTRY_CHECKS:
@@ -333,6 +348,26 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         except ValueError as e:
             raise ConfigError(one_line(e)) from e
     return job
+
+
+def check_timed_device(cfg: DictConfig, entry: str) -> None:
+    """ConfigError (one line) where a timed entry point would run a GPU profile on this host's CPU. A
+    profile forced with ``hardware.strict=false`` composes and validates anywhere (parity and validate
+    run with it; :func:`prepare` stays free of this rule, so tests compose GPU profiles on a CPU), but
+    timings there would be the CPU's under the GPU's settings (dtype, threads, policy, peaks). Called
+    on the composed config where the job runs, before :func:`prepare`, so this is the line a user
+    sees rather than a GPU backend's unavailability."""
+    if entry not in TIMED:
+        return
+    try:
+        profile, _ = hardware.resolve_profile(cfg.hardware)
+    except hardware.HardwareMismatch:
+        return  # a strict profile that does not match: prepare() says so
+    dev = hardware.detect()
+    if profile.get("device") == "cuda" and dev.type != "cuda":
+        raise ConfigError(
+            f"hardware={profile.name}: a GPU profile is timed on its GPU only, and this machine has none "
+            f"({dev.describe()}), whatever hardware.strict says; use hardware=cpu (or hardware=auto) here")
 
 
 def check_memory(job: Job, est_bytes: float, detail: str = "") -> None:

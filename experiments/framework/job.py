@@ -1,7 +1,8 @@
 """One job: the task body every entry point runs (``@hydra.main`` -> :func:`run_job`).
 
-1. :func:`~experiments.framework.config.prepare` validates the config. A ConfigError in a single run:
-   one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
+1. :func:`~experiments.framework.config.prepare` validates the config (after
+   :func:`~experiments.framework.config.check_timed_device`: no GPU profile timed on a CPU). A
+   ConfigError in a single run: one line, exit 2, no run and no output directory. (In a sweep every job was validated before any
    started; a job that still fails validation, e.g. on another host, ends as a FAILED child.)
 2. A run is created in ``nsa-<entry>``: a child of ``tracking.parent_run_id`` when a sweep passed one,
    tagged with the environment, the owning process, the job's overrides (``sweep_job``) and in a
@@ -11,10 +12,11 @@
    directory names its run) reopens that run instead of creating one.
 3. Metrics (step = seq), the job's CSV, the resolved config and an environment JSON are logged; the
    run ends FINISHED, or FAILED with the error (``error`` tag, ``error.txt``, the traceback in the
-   job's log), or KILLED on SIGINT/SIGTERM. A single run that failed exits 1. A store that fails once
-   the run is open (a full disk: ``tracking.StoreError``) fails the job in one line naming the store,
-   and the run ends FAILED with it where the store still takes that (else the line says what is left
-   and the ``close_stale`` command).
+   job's log), or KILLED on SIGINT/SIGTERM. A single run ends as a sweep does: its status line with the
+   run id, then on stdout its outputs folder and the ``mlflow ui`` command of its run (:func:`closing`);
+   one that failed exits 1. A store that fails once the run is open (a full disk:
+   ``tracking.StoreError``) fails the job in one line naming the store, and the run ends FAILED with it
+   where the store still takes that (else the line says what is left and the ``close_stale`` command).
 """
 from __future__ import annotations
 
@@ -35,13 +37,17 @@ from omegaconf import DictConfig, OmegaConf
 from nsa import dispatch
 
 from . import cli, parallel, tracking
-from .config import BRANCHES, ConfigError, Job, error_text, one_line, prepare
+from .config import BRANCHES, ConfigError, Job, check_timed_device, error_text, one_line, prepare
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
 HEADLINE = "0_"  # prefix of a job's headline metrics: they sort first in MLflow's tables and charts
 # Overrides a sweeper adds to each job (its store and parent); not part of what tells jobs apart.
 SWEEPER_KEYS = ("tracking.uri", "tracking.parent_run_id")
+# Entry points whose headline figures are times, and what such figures are when they ran on a CPU.
+TIME_FIGURES = ("decode", "prefill", "kernels")
+CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
+               "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
 
 
 @dataclass
@@ -101,13 +107,17 @@ def _hydra():
 def _remove_empty_output_dir(hc) -> None:
     """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
     its own .hydra/ and the (empty) log file."""
-    out = Path(hc.runtime.output_dir)
+    out, top = Path(hc.runtime.output_dir).absolute(), Path(hc.runtime.cwd).absolute()
     if out.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out.iterdir()):
         shutil.rmtree(out, ignore_errors=True)
-        try:
-            out.parent.rmdir()  # only if now empty
-        except OSError:
-            pass
+        # the folders Hydra made above it (outputs/<entry>/), each only if now empty, up to the launch dir
+        for up in out.parents:
+            if up == top or top not in up.parents:
+                break
+            try:
+                up.rmdir()
+            except OSError:
+                break
 
 
 def identity(job: Job) -> list[tuple[str, str | None]]:
@@ -145,6 +155,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     parent = cfg.tracking.get("parent_run_id")
     tags = {"sweep_job": json.dumps(key), **({"launcher": launcher_name(hc)} if parent and hc else {})}
     try:
+        check_timed_device(cfg, entry)
         job = prepare(cfg, entry)
         job.out_dir = out_dir
         if _cp(job) and parallel.rank() > 0:  # a context-parallel rank > 0: work only, rank 0 logs the run
@@ -247,8 +258,21 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             log.error(f"{head}: {e}")
     log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {work_s:.2f} s, "
              f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
-    if status != "FINISHED" and parent is None:
-        raise SystemExit(1)
+    if parent is None:  # a sweep ends so too, from the sweeper (sweep._finish)
+        print(closing(store, rid, out_dir, launch_dir, entry in TIME_FIGURES and job.device.type == "cpu"))
+        if status != "FINISHED":
+            raise SystemExit(1)
+
+
+def closing(store, rid: str, out_dir: Path, launch_dir: Path, cpu_times: bool) -> str:
+    """A single run's last lines on stdout, as a sweep's end: where its files are, and how to open its
+    run in MLflow's UI (the command with the store, the run's page); ``cpu_times``: what its times are."""
+    try:
+        out_dir = out_dir.relative_to(launch_dir)
+    except ValueError:
+        pass
+    page = f"#/experiments/{store.experiment_id}/runs/{rid}"
+    return f"outputs: {out_dir}\nMLflow:  {store.ui_hint(page)}" + (f"\n{CPU_FIGURES}" if cpu_times else "")
 
 
 def _cp(job: Job) -> bool:

@@ -32,8 +32,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from . import cli, launchers, parallel, report, tracking, views
-from .config import ConfigError, Job, error_text, one_line, out_of_space, prepare
-from .job import HEADLINE, describe, identity, job_key, launcher_name
+from .config import ConfigError, Job, check_timed_device, error_text, one_line, out_of_space, prepare
+from .job import CPU_FIGURES, HEADLINE, TIME_FIGURES, describe, identity, job_key, launcher_name
 from .logs import say
 
 _SAFE = re.compile(r"[\w./:@%+-]+")
@@ -80,6 +80,8 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
             cp = OmegaConf.select(cfg, "parallel.cp", default=1)
             if isinstance(cp, int) and cp > 1 or (parallel.torchrun_world() or 1) > 1:
                 parallel.check(cp, entry, sweep=True)  # a sweep runs no context-parallel job: one line, why
+            if here:
+                check_timed_device(cfg, entry)
             out.append(prepare(cfg, entry, here=here))
         except ConfigError as e:
             cli.config_exit(f"{e} [job: {' '.join(ov)}]")
@@ -222,12 +224,6 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
         tracking.end_run(store.client, rid, "FAILED", f"could not log the sweep's parameters: {one_line(e)}")
         cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {one_line(e)}")
     return rid
-
-
-# Entry points whose headline figures are times, and what such figures are when the jobs ran on a CPU.
-TIMED = ("decode", "prefill", "kernels")
-CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
-               "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
 
 
 def _fixed(first: Job, swept: dict) -> list[str]:
@@ -407,7 +403,7 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] {where}")
     key = next((k for k in view if k), None)
     print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(views.link(store.experiment_id, key) if key else None)}")
-    if entry in TIMED and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
+    if entry in TIME_FIGURES and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
         print(CPU_FIGURES)
     if status == "FAILED":
         print(f"resume:  {resume or resume_command(entry, parent, sweep_dir)}")

@@ -14,16 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nsa.numerics import rel_l2
+
 from .. import measure
 from ..framework import Charts, Job, Result
 
 log = logging.getLogger("experiments.kernels")
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (NaN where ``a`` holds a NaN: an element a kernel did not write)."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 @dataclass

@@ -73,13 +73,6 @@ class Context:
         return self.out / name
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def fmt_ms(ms: float) -> str:
     return f"{ms * 1e3:.1f} us" if abs(ms) < 0.1 else f"{ms:.3g} ms"
 

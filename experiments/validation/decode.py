@@ -23,11 +23,12 @@ import torch
 
 from nsa import NSAAttention, functional
 from nsa.decode import GraphDecoder
+from nsa.numerics import rel_l2
 
 from .. import decode as decode_entry
 from .. import measure
 from . import report
-from .core import Check, Context, fmt_ms, fmt_tokens, rel_l2, seq_label
+from .core import Check, Context, fmt_ms, fmt_tokens, seq_label
 from .report import Image, Table, Text
 
 PARTS = ("cmp", "sel", "win")

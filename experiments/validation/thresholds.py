@@ -24,10 +24,11 @@ import torch
 from omegaconf import OmegaConf
 
 from nsa import dispatch, functional, reference
+from nsa.numerics import rel_l2
 
 from .. import measure
 from . import report
-from .core import Check, Context, fmt_ms, rel_l2, seq_label
+from .core import Check, Context, fmt_ms, seq_label
 from .report import Code, Image, Table, Text
 
 CRITERIA = ("fwd", "fwd_bwd")

@@ -81,7 +81,9 @@ def descriptor(x: torch.Tensor, block: list[int]):
 
 class Blocks(NamedTuple):
     """The block sizes of an ``NSAConfig`` that the kernels read: what a custom op (``nsa::*``) carries of
-    the config, as ``list(Blocks.of(config))``, and rebuilds with ``Blocks(*blocks)``."""
+    the config, as ``list(Blocks.of(config))``, and rebuilds with ``Blocks(*blocks)``. Sizes only: what
+    follows from them (the selection blocks of T tokens, ``NSAConfig.n_blocks``) is the config's to say,
+    computed before the op and passed beside them as an int."""
 
     l: int  # noqa: E741  (the paper's name)
     d: int
@@ -94,10 +96,6 @@ class Blocks(NamedTuple):
     @classmethod
     def of(cls, config) -> "Blocks":
         return cls(config.l, config.d, config.l_sel, config.n_sel, config.w, config.n_init, config.n_local)
-
-    def n_blocks(self, T: int) -> int:
-        """Selection blocks that hold at least one of T raw tokens (``NSAConfig.n_blocks``)."""
-        return -(-T // self.l_sel)
 
 
 def default_scale(q: torch.Tensor, scale) -> float:
