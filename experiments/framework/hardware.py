@@ -113,8 +113,9 @@ def resolve_profile(hw: DictConfig, dev: Device | None = None, check: bool = Tru
             f"add one, or pick one with hardware=<profile> hardware.strict=false")
     if not matches(hw, dev):
         if hw.get("strict", True):
-            raise HardwareMismatch(
-                f"hardware={hw.name} does not match the detected device {dev.describe()}; "
-                f"use hardware=auto, or hardware.strict=false to run with this profile anyway")
+            # on a CPU a GPU profile times nothing (config.check_timed_device): no hint towards strict=false
+            hint = ("use hardware=cpu or hardware=auto on this machine" if dev.type == "cpu" != hw.match.device_type
+                    else "use hardware=auto, or hardware.strict=false to run with this profile anyway")
+            raise HardwareMismatch(f"hardware={hw.name} does not match the detected device {dev.describe()}; {hint}")
         return hw, f"{hw.name}: forced (hardware.strict=false) on {dev.describe()}"
     return hw, f"{hw.name}: matches {dev.describe()}"
