@@ -29,6 +29,13 @@ class NSAConfig:
     rope_base: float = 10000.0
     gate_hidden: int = 64
     phi_hidden: int = 0  # 0: 2 * head dim
+    # Initialisation and parameterisation choices the paper leaves open (docs/nsa-spec.md "Module level"):
+    # gate_bias: the gate MLP's initial output bias per branch (cmp, sel, win), i.e. g = sigmoid(bias) at
+    # the start; None keeps the module's default init (zero in experiments.lm's model: every gate 0.5).
+    gate_bias: tuple | None = None
+    # shared_kv: one key and one value projection read by all three branches (as fla's and lucidrains' NSA
+    # do) instead of the paper's independent keys and values per branch (Section 3.3.3).
+    shared_kv: bool = False
 
     def __post_init__(self):
         def bad(field, rule):
@@ -56,6 +63,15 @@ class NSAConfig:
             bad("n_sel", f"must be >= n_init + n_local = {self.n_init + self.n_local}")
         if self.phi not in PHI_CHOICES:
             bad("phi", f"must be one of {PHI_CHOICES}")
+        if self.gate_bias is not None:
+            gb = self.gate_bias
+            if (isinstance(gb, (str, bytes)) or not hasattr(gb, "__len__") or len(gb) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) < float("inf")
+                           for v in gb)):
+                bad("gate_bias", "must be null or 3 finite numbers (cmp, sel, win)")
+            object.__setattr__(self, "gate_bias", tuple(float(v) for v in gb))  # hashable, whatever the input
+        if not isinstance(self.shared_kv, bool):
+            bad("shared_kv", "must be true or false")
         rb = self.rope_base
         if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (0 < rb < float("inf")):
             bad("rope_base", "must be positive and finite")

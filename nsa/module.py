@@ -179,10 +179,18 @@ class NSAAttention(nn.Module):
         self.backend, self.fallback, self.streams = backend, fallback, streams
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=False)
-        self.kv_proj = nn.ModuleDict({
-            f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=False)
-            for branch in ("cmp", "sel", "win") for kind in ("k", "v")
-        })
+        if c.shared_kv:
+            # One key and one value projection for every branch: the same module under each branch's name
+            # (the selection's first, so parameter listings name each weight once, as the selection's), so
+            # every reader of kv_proj["k_cmp"] etc. (decode, context parallel) gets the shared one.
+            k, v = nn.Linear(c.dim, H * Dk, bias=False), nn.Linear(c.dim, H * Dv, bias=False)
+            self.kv_proj = nn.ModuleDict({f"{kind}_{branch}": k if kind == "k" else v
+                                          for branch in ("sel", "cmp", "win") for kind in ("k", "v")})
+        else:
+            self.kv_proj = nn.ModuleDict({
+                f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=False)
+                for branch in ("cmp", "sel", "win") for kind in ("k", "v")
+            })
         hidden = c.phi_hidden or None
         self.phi_k = PhiMLP(c.l, Dk, hidden or 2 * Dk) if c.phi == "mlp" else None
         self.phi_v = PhiMLP(c.l, Dv, hidden or 2 * Dv) if c.phi == "mlp" else None
@@ -191,6 +199,16 @@ class NSAAttention(nn.Module):
         else:
             self.gate = nn.Linear(c.dim, 3 * HQ)
         self.o_proj = nn.Linear(HQ * Dv, c.dim, bias=False)
+        self.init_gate_bias()
+
+    def init_gate_bias(self) -> None:
+        """Set the gate's output bias to ``config.gate_bias`` (per branch, every head alike): the gates start
+        at sigmoid(bias). A model that re-initialises its layers calls this after. None: left as it is."""
+        if self.config.gate_bias is None:
+            return
+        last = self.gate[-1] if isinstance(self.gate, nn.Sequential) else self.gate
+        with torch.no_grad():  # the logits are laid out [.., HQ, 3]: head-major, branch (cmp, sel, win) minor
+            last.bias.copy_(torch.tensor(self.config.gate_bias, dtype=last.bias.dtype).repeat(self.config.n_heads))
 
     # ---------------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
@@ -198,8 +216,13 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         H = c.n_kv_heads
 
+        done = {}  # shared_kv: each shared projection computed once
+
         def proj(name, D):
-            return self.kv_proj[name](x).view(B, T, H, D)
+            m = self.kv_proj[name]
+            if id(m) not in done:
+                done[id(m)] = m(x).view(B, T, H, D)
+            return done[id(m)]
 
         q = rope(self.q_proj(x).view(B, T, c.n_heads, c.d_k), pos, c.rope_base)
         kv = {
