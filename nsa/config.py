@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 PHI_CHOICES = ("mlp", "avg")
+PHI_INITS = ("random", "mean")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class NSAConfig:
     # shared_kv: one key and one value projection read by all three branches (as fla's and lucidrains' NSA
     # do) instead of the paper's independent keys and values per branch (Section 3.3.3).
     shared_kv: bool = False
+    # phi_init (phi = mlp): "random" keeps the module's init (in experiments.lm, std 0.02: phi's output starts
+    # ~50x smaller than the keys it compresses); "mean" starts the MLP as mean pooling over the block, exactly
+    # (GELU(z) - GELU(-z) = z: needs phi_hidden 0 or >= 2 * head dim), and it learns from there.
+    phi_init: str = "random"
 
     def __post_init__(self):
         def bad(field, rule):
@@ -70,6 +75,10 @@ class NSAConfig:
                            for v in gb)):
                 bad("gate_bias", "must be null or 3 finite numbers (cmp, sel, win)")
             object.__setattr__(self, "gate_bias", tuple(float(v) for v in gb))  # hashable, whatever the input
+        if self.phi_init not in PHI_INITS:
+            bad("phi_init", f"must be one of {PHI_INITS}")
+        if self.phi_init == "mean" and self.phi == "mlp" and 0 < self.phi_hidden < 2 * max(self.d_k, self.d_v):
+            bad("phi_init", f"'mean' needs phi_hidden >= 2 * max(d_k, d_v) = {2 * max(self.d_k, self.d_v)} (or 0)")
         if not isinstance(self.shared_kv, bool):
             bad("shared_kv", "must be true or false")
         rb = self.rope_base

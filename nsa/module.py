@@ -56,6 +56,25 @@ class PhiMLP(nn.Module):
         self.fc1 = nn.Linear(l * D, hidden)
         self.fc2 = nn.Linear(hidden, D)
 
+    @torch.no_grad()
+    def init_mean(self) -> None:
+        """Start as mean pooling over the block: hidden units j and D + j read +-mean_j (the mean of dim j over
+        the l keys), fc2 writes GELU(m) - GELU(-m) = m to dim j. Hidden units past 2D keep their fc1 weights and
+        write nothing yet (fc2 columns zero). The position embedding is left as it is."""
+        l, D = self.pe.shape
+        H = self.fc1.out_features
+        if H < 2 * D:
+            raise ValueError(f"phi: mean init needs a hidden width >= 2 * D = {2 * D}, got {H}")
+        mean = torch.zeros(D, l, D, dtype=self.fc1.weight.dtype, device=self.fc1.weight.device)
+        mean[torch.arange(D), :, torch.arange(D)] = 1.0 / l  # [out dim j, position i, in dim j]
+        self.fc1.weight[:D] = mean.flatten(1)
+        self.fc1.weight[D:2 * D] = -mean.flatten(1)
+        self.fc1.bias[:2 * D] = 0.0
+        self.fc2.weight.zero_()
+        self.fc2.weight[:, :D] = torch.eye(D)
+        self.fc2.weight[:, D:2 * D] = -torch.eye(D)
+        self.fc2.bias.zero_()
+
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:  # [B,Tc,H,l,D] -> [B,Tc,H,D]
         return self.fc2(F.gelu(self.fc1((blocks + self.pe).flatten(-2))))
 
@@ -199,11 +218,16 @@ class NSAAttention(nn.Module):
         else:
             self.gate = nn.Linear(c.dim, 3 * HQ)
         self.o_proj = nn.Linear(HQ * Dv, c.dim, bias=False)
-        self.init_gate_bias()
+        self.apply_init()
 
-    def init_gate_bias(self) -> None:
-        """Set the gate's output bias to ``config.gate_bias`` (per branch, every head alike): the gates start
-        at sigmoid(bias). A model that re-initialises its layers calls this after. None: left as it is."""
+    def apply_init(self) -> None:
+        """The config's initialisation choices, over whatever init the parameters have (a model that
+        re-initialises its layers calls this after): ``phi_init="mean"`` starts phi's MLPs as mean pooling;
+        ``gate_bias`` sets the gate's output bias per branch (every head alike), so the gates start at
+        sigmoid(bias). Their defaults leave the parameters as they are."""
+        if self.config.phi_init == "mean" and self.phi_k is not None:
+            self.phi_k.init_mean()
+            self.phi_v.init_mean()
         if self.config.gate_bias is None:
             return
         last = self.gate[-1] if isinstance(self.gate, nn.Sequential) else self.gate

@@ -117,3 +117,17 @@ def test_shared_kv_gives_every_branch_one_projection():
     logits = shared(tokens())
     logits.logsumexp(-1).sum().backward()
     assert kv["k_sel"].weight.grad is not None and kv["k_sel"].weight.grad.abs().sum() > 0
+
+
+def test_phi_init_mean_starts_phi_as_mean_pooling():
+    """lm.nsa.phi_init=mean: phi's MLP (Eq. 7) computes the block mean at the start (up to its small position
+    embedding), so the compressed keys and values start as phi=avg's; the default init starts ~50x smaller."""
+    from nsa import functional
+
+    layer = model("nsa", phi_init="mean").blocks[0].attn
+    raw = torch.randn(2, T, NSA["n_kv_heads"], NSA["d_k"], dtype=torch.float64)
+    avg = functional.compress(raw, layer.config, None)
+    layer.phi_k.pe.data.zero_()
+    assert torch.allclose(functional.compress(raw, layer.config, layer.phi_k), avg, atol=1e-12)
+    default = model("nsa").blocks[0].attn
+    assert functional.compress(raw, default.config, default.phi_k).std() < avg.std() / 10
