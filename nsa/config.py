@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 PHI_CHOICES = ("mlp", "avg")
+PHI_INITS = ("random", "mean")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,17 @@ class NSAConfig:
     rope_base: float = 10000.0
     gate_hidden: int = 64
     phi_hidden: int = 0  # 0: 2 * head dim
+    # Initialisation and parameterisation choices the paper leaves open (docs/nsa-spec.md "Module level"):
+    # gate_bias: the gate MLP's initial output bias per branch (cmp, sel, win), i.e. g = sigmoid(bias) at
+    # the start; None keeps the module's default init (zero in experiments.lm's model: every gate 0.5).
+    gate_bias: tuple | None = None
+    # shared_kv: one key and one value projection read by all three branches (as fla's and lucidrains' NSA
+    # do) instead of the paper's independent keys and values per branch (Section 3.3.3).
+    shared_kv: bool = False
+    # phi_init (phi = mlp): "random" keeps the module's init (in experiments.lm, std 0.02: phi's output starts
+    # ~50x smaller than the keys it compresses); "mean" starts the MLP as mean pooling over the block, exactly
+    # (GELU(z) - GELU(-z) = z: needs phi_hidden 0 or >= 2 * head dim), and it learns from there.
+    phi_init: str = "random"
 
     def __post_init__(self):
         def bad(field, rule):
@@ -56,6 +68,19 @@ class NSAConfig:
             bad("n_sel", f"must be >= n_init + n_local = {self.n_init + self.n_local}")
         if self.phi not in PHI_CHOICES:
             bad("phi", f"must be one of {PHI_CHOICES}")
+        if self.gate_bias is not None:
+            gb = self.gate_bias
+            if (isinstance(gb, (str, bytes)) or not hasattr(gb, "__len__") or len(gb) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) < float("inf")
+                           for v in gb)):
+                bad("gate_bias", "must be null or 3 finite numbers (cmp, sel, win)")
+            object.__setattr__(self, "gate_bias", tuple(float(v) for v in gb))  # hashable, whatever the input
+        if self.phi_init not in PHI_INITS:
+            bad("phi_init", f"must be one of {PHI_INITS}")
+        if self.phi_init == "mean" and self.phi == "mlp" and 0 < self.phi_hidden < 2 * max(self.d_k, self.d_v):
+            bad("phi_init", f"'mean' needs phi_hidden >= 2 * max(d_k, d_v) = {2 * max(self.d_k, self.d_v)} (or 0)")
+        if not isinstance(self.shared_kv, bool):
+            bad("shared_kv", "must be true or false")
         rb = self.rope_base
         if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (0 < rb < float("inf")):
             bad("rope_base", "must be positive and finite")

@@ -56,6 +56,25 @@ class PhiMLP(nn.Module):
         self.fc1 = nn.Linear(l * D, hidden)
         self.fc2 = nn.Linear(hidden, D)
 
+    @torch.no_grad()
+    def init_mean(self) -> None:
+        """Start as mean pooling over the block: hidden units j and D + j read +-mean_j (the mean of dim j over
+        the l keys), fc2 writes GELU(m) - GELU(-m) = m to dim j. Hidden units past 2D keep their fc1 weights and
+        write nothing yet (fc2 columns zero). The position embedding is left as it is."""
+        l, D = self.pe.shape
+        H = self.fc1.out_features
+        if H < 2 * D:
+            raise ValueError(f"phi: mean init needs a hidden width >= 2 * D = {2 * D}, got {H}")
+        mean = torch.zeros(D, l, D, dtype=self.fc1.weight.dtype, device=self.fc1.weight.device)
+        mean[torch.arange(D), :, torch.arange(D)] = 1.0 / l  # [out dim j, position i, in dim j]
+        self.fc1.weight[:D] = mean.flatten(1)
+        self.fc1.weight[D:2 * D] = -mean.flatten(1)
+        self.fc1.bias[:2 * D] = 0.0
+        self.fc2.weight.zero_()
+        self.fc2.weight[:, :D] = torch.eye(D)
+        self.fc2.weight[:, D:2 * D] = -torch.eye(D)
+        self.fc2.bias.zero_()
+
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:  # [B,Tc,H,l,D] -> [B,Tc,H,D]
         return self.fc2(F.gelu(self.fc1((blocks + self.pe).flatten(-2))))
 
@@ -179,10 +198,18 @@ class NSAAttention(nn.Module):
         self.backend, self.fallback, self.streams = backend, fallback, streams
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
         self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=False)
-        self.kv_proj = nn.ModuleDict({
-            f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=False)
-            for branch in ("cmp", "sel", "win") for kind in ("k", "v")
-        })
+        if c.shared_kv:
+            # One key and one value projection for every branch: the same module under each branch's name
+            # (the selection's first, so parameter listings name each weight once, as the selection's), so
+            # every reader of kv_proj["k_cmp"] etc. (decode, context parallel) gets the shared one.
+            k, v = nn.Linear(c.dim, H * Dk, bias=False), nn.Linear(c.dim, H * Dv, bias=False)
+            self.kv_proj = nn.ModuleDict({f"{kind}_{branch}": k if kind == "k" else v
+                                          for branch in ("sel", "cmp", "win") for kind in ("k", "v")})
+        else:
+            self.kv_proj = nn.ModuleDict({
+                f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=False)
+                for branch in ("cmp", "sel", "win") for kind in ("k", "v")
+            })
         hidden = c.phi_hidden or None
         self.phi_k = PhiMLP(c.l, Dk, hidden or 2 * Dk) if c.phi == "mlp" else None
         self.phi_v = PhiMLP(c.l, Dv, hidden or 2 * Dv) if c.phi == "mlp" else None
@@ -191,6 +218,21 @@ class NSAAttention(nn.Module):
         else:
             self.gate = nn.Linear(c.dim, 3 * HQ)
         self.o_proj = nn.Linear(HQ * Dv, c.dim, bias=False)
+        self.apply_init()
+
+    def apply_init(self) -> None:
+        """The config's initialisation choices, over whatever init the parameters have (a model that
+        re-initialises its layers calls this after): ``phi_init="mean"`` starts phi's MLPs as mean pooling;
+        ``gate_bias`` sets the gate's output bias per branch (every head alike), so the gates start at
+        sigmoid(bias). Their defaults leave the parameters as they are."""
+        if self.config.phi_init == "mean" and self.phi_k is not None:
+            self.phi_k.init_mean()
+            self.phi_v.init_mean()
+        if self.config.gate_bias is None:
+            return
+        last = self.gate[-1] if isinstance(self.gate, nn.Sequential) else self.gate
+        with torch.no_grad():  # the logits are laid out [.., HQ, 3]: head-major, branch (cmp, sel, win) minor
+            last.bias.copy_(torch.tensor(self.config.gate_bias, dtype=last.bias.dtype).repeat(self.config.n_heads))
 
     # ---------------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor, pos: torch.Tensor):
@@ -198,8 +240,13 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         H = c.n_kv_heads
 
+        done = {}  # shared_kv: each shared projection computed once
+
         def proj(name, D):
-            return self.kv_proj[name](x).view(B, T, H, D)
+            m = self.kv_proj[name]
+            if id(m) not in done:
+                done[id(m)] = m(x).view(B, T, H, D)
+            return done[id(m)]
 
         q = rope(self.q_proj(x).view(B, T, c.n_heads, c.d_k), pos, c.rope_base)
         kv = {

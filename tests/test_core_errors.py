@@ -46,6 +46,13 @@ def test_base_config_is_valid():
     (dict(l=8.0), "l"),
     (dict(n_sel=True), "n_sel"),
     (dict(w="8"), "w"),
+    (dict(gate_bias=[0.0, 1.0]), "gate_bias"),           # one per branch: three
+    (dict(gate_bias=[0.0, "1", 2.0]), "gate_bias"),
+    (dict(gate_bias=[0.0, float("nan"), 2.0]), "gate_bias"),
+    (dict(gate_bias=2.0), "gate_bias"),
+    (dict(shared_kv="yes"), "shared_kv"),
+    (dict(phi_init="zeros"), "phi_init"),
+    (dict(phi_init="mean", phi_hidden=8), "phi_init"),   # the mean needs 2 * max(d_k, d_v) = 16 hidden units
 ])
 def test_config_rule_raises_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=rf"NSAConfig\.{field}="):

@@ -22,7 +22,7 @@ def compose_train(*overrides):
 
 def test_groups():
     assert GROUPS == {"lm": ["small", "smoke"], "attention": ["dense", "nsa", "window"], "data": ["needles", "retrieval", "text"],
-                      "train": ["needles32k", "retrieval32k", "retrieval32k_short", "smoke"]}
+                      "train": ["needles32k", "needles_smoke", "retrieval32k", "retrieval32k_short", "smoke"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -116,3 +116,18 @@ def test_the_framework_validates_train_with_the_library():
                            (["lm.nsa.l=20"], "NSAConfig.l=20")]:
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             config.prepare(compose_train(*overrides), "train")
+
+
+@pytest.mark.parametrize("attention", ["nsa", "dense"])
+def test_needles_smoke_preset(attention):
+    """train=needles_smoke (issue 29): the CPU needle task on the reference backend, NSA with the switches
+    BENCHMARKS.md measured (each a named option, not the paper's default), the needles out of the window
+    stack's reach so only NSA's long-range branches can fetch them."""
+    run = RunConfig.from_conf(compose_train("train=needles_smoke", f"attention={attention}"))
+    assert run.attention == attention and run.lm.name == "smoke" and set(run.backend.values()) == {"reference"}
+    task = run.stages()[-1][1]
+    assert (task.task, task.seq_len, task.n_slots, task.n_queries, task.n_values) == ("needles", 256, 4, 4, 8)
+    acfg = run.lm.attention_config()
+    assert task.gap >= run.lm.n_layers * (acfg.w - 1)
+    assert (acfg.shared_kv, acfg.phi, acfg.n_sel) == (True, "avg", 8)
+    assert run.train.gates_open_steps == run.train.steps == 600 and run.dtype == "float32"

@@ -147,3 +147,18 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoint.save(tmp_path, {"run_id": "r", "step": 2})
     assert checkpoint.peek(tmp_path) == {"run_id": "r", "step": 1}
+
+
+def test_resume_accepts_a_checkpoint_written_before_the_new_lm_nsa_fields(tmp_path):
+    """A checkpoint whose config predates lm.nsa.gate_bias / shared_kv / phi_init (issue 29) resumes when they
+    are at their defaults (the same model); one of them set otherwise is still a difference, named."""
+    cfg = run_config("train.steps=2", *TINY_RETRIEVAL)
+    run(cfg, tmp_path)
+    state = checkpoint.load(tmp_path)
+    for key in ("gate_bias", "shared_kv", "phi_init"):
+        del state["config"]["lm"]["nsa"][key]
+    checkpoint.save(tmp_path, {k: v for k, v in state.items() if k != "format"})
+    out, logged = run(cfg, tmp_path, logged_through=2)
+    assert out["completed"] and logged == []
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in lm.nsa.shared_kv \(None -> True\)"):
+        run(run_config("train.steps=2", "lm.nsa.shared_kv=true", *TINY_RETRIEVAL), tmp_path)

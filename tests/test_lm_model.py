@@ -92,3 +92,42 @@ def test_config_errors_name_the_field():
         model("nsa", n_sel=1)
     with pytest.raises(ValueError, match=r"attention.kind='sparse'"):
         model("sparse")
+
+
+def test_gate_bias_sets_where_the_gates_start():
+    """lm.nsa.gate_bias survives the model's own init (which zeroes biases): each head's gates start at
+    sigmoid(bias) of its branch; without it every gate starts at 0.5."""
+    x = torch.randn(2, T, 32, dtype=torch.float64)
+    for bias, want in ((None, [0.5, 0.5, 0.5]), ([-2.0, 0.0, 3.0], torch.sigmoid(torch.tensor([-2.0, 0.0, 3.0])))):
+        layer = model("nsa", gate_bias=bias).blocks[0].attn
+        g = torch.sigmoid(layer.gate(x)).view(2, T, NSA["n_heads"], 3)
+        assert torch.allclose(g.mean((0, 1, 2)), torch.as_tensor(want, dtype=torch.float64), atol=0.02)
+
+
+def test_shared_kv_gives_every_branch_one_projection():
+    """lm.nsa.shared_kv: the three branches read one key and one value projection (its gradient the sum of
+    theirs), counted once as the dense layer's pair; the per-branch layer holds three pairs."""
+    shared, apart = model("nsa", shared_kv=True), model("nsa")
+    kv = shared.blocks[0].attn.kv_proj
+    assert kv["k_cmp"] is kv["k_sel"] is kv["k_win"] and kv["v_cmp"] is kv["v_sel"] is kv["v_win"]
+    assert apart.blocks[0].attn.kv_proj["k_cmp"] is not apart.blocks[0].attn.kv_proj["k_sel"]
+    pair = 32 * (NSA["n_kv_heads"] * (NSA["d_k"] + NSA["d_v"]))  # one key + one value projection, per layer
+    a, s = count_parameters(apart), count_parameters(shared)
+    assert a["attn"] == s["attn"] and a["attn_extra"] - s["attn_extra"] == 2 * pair * 2  # 2 layers, 2 pairs gone
+    logits = shared(tokens())
+    logits.logsumexp(-1).sum().backward()
+    assert kv["k_sel"].weight.grad is not None and kv["k_sel"].weight.grad.abs().sum() > 0
+
+
+def test_phi_init_mean_starts_phi_as_mean_pooling():
+    """lm.nsa.phi_init=mean: phi's MLP (Eq. 7) computes the block mean at the start (up to its small position
+    embedding), so the compressed keys and values start as phi=avg's; the default init starts ~50x smaller."""
+    from nsa import functional
+
+    layer = model("nsa", phi_init="mean").blocks[0].attn
+    raw = torch.randn(2, T, NSA["n_kv_heads"], NSA["d_k"], dtype=torch.float64)
+    avg = functional.compress(raw, layer.config, None)
+    layer.phi_k.pe.data.zero_()
+    assert torch.allclose(functional.compress(raw, layer.config, layer.phi_k), avg, atol=1e-12)
+    default = model("nsa").blocks[0].attn
+    assert functional.compress(raw, default.config, default.phi_k).std() < avg.std() / 10

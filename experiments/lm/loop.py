@@ -42,7 +42,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from nsa import dispatch
+from nsa import NSAConfig, dispatch
 
 from . import checkpoint, cost, probes
 from .data import IGNORE, make_task
@@ -288,9 +288,18 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
     return out
 
 
+def _added_at_default(key: str, value) -> bool:
+    """An ``lm.nsa`` key that a checkpoint written before NSAConfig gained the field lacks, here at that
+    field's default (gate_bias, shared_kv, phi_init; issue 29): the same model, no difference."""
+    defaults = {f.name: f.default for f in fields(NSAConfig)}
+    name = key.removeprefix("lm.nsa.")
+    return key.startswith("lm.nsa.") and name in defaults and defaults[name] == value
+
+
 def _check_config(state: dict, cfg: RunConfig) -> None:
     old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
-    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
+                  and not (k not in old and _added_at_default(k, new[k])))
     if diff:
         raise ValueError("config: differs from the checkpoint's in " + ", ".join(
             f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in diff))

@@ -140,6 +140,8 @@ class LM(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        for layer in self.nsa_layers():  # NSAConfig.gate_bias / phi_init, which _init replaced
+            layer.apply_init()
 
     @staticmethod
     def _init(m):
