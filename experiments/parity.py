@@ -45,6 +45,17 @@ def estimate_bytes(job: Job) -> float:
     return float(B * S * per_token * 8 + 8 * reference._CHUNK_BYTES)
 
 
+def cp_estimate_bytes(job: Job) -> float:
+    """Rank 0's device tensors under parallel.cp (the float64 draws stay on the host): its part with
+    gradients, the gathered output and gradients, and the one-device run's inputs, gradients and output,
+    all in the dtype under test (about 7 tensors of q's size and 24 of one key/value branch's), plus the
+    comparison's float64 copies of the largest pair and their difference (nsa.numerics.rel_l2)."""
+    c, B, S = job.nsa, job.cfg.parity.batch, job.seq
+    q_size, kv_size = c.n_heads * (c.d_k + c.d_v) / 2, c.n_kv_heads * (c.d_k + c.d_v) / 2
+    per_token = (7 * q_size + 24 * kv_size) * job.dtype.itemsize + 3 * c.n_heads * c.d_k * 8
+    return float(B * S * per_token)
+
+
 def _forward(be, x, c, branch, idx_ref, scale, record, streams=False):
     """Output of the gated branches (or the forced one) with the given backends; idx: ref's. All
     branches: ``nsa.functional.gated_branches``, the path ``nsa_attention`` takes (its gated sum, and
@@ -133,7 +144,7 @@ def cp_work(job: Job) -> Result:
     from nsa import NSAAttention
 
     p, c, S, dev, dt, g = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype, job.cp
-    check_memory(job, estimate_bytes(job))
+    check_memory(job, cp_estimate_bytes(job))
     B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c).to(dev, dt)  # phi (the MLP of model.nsa.phi=mlp) from the seed: the same on every rank

@@ -11,39 +11,23 @@
 #     tests:   the compiled decode tests (tests/test_decode_gpu.py)
 # HW (default h100, as the card says) names the hardware profile; HW=auto takes the card found.
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-case "$OUT" in /*) ;; *) OUT="$PWD/$OUT";; esac
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheelhouse install failed"; exit 1; }
-export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
-HW=${HW:-h100}
+SUMMARY='^#  seq'
+source scripts/gpu_lib.sh
 STEPS=${STEPS:-card}
-has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
-# run <seconds> <db> <tree> args...: python3 args in <tree>, the sweep's summary table printed
-run() {
-  local t=$1 db=$2 tree=$3 log; shift 3
-  log=$(mktemp)
-  echo "== [$db] $*"
-  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$t" python3 "$@" "tracking.uri=sqlite:///$OUT/$db.db" 2>&1) \
-    | grep -v "INFO mlflow" >"$log"
-  cat "$log" >>"$OUT/log.txt"
-  sed -n '/^#  seq/,/^outputs:/p' "$log" | grep -v "^outputs:"
-  grep -E "FAILED|Error|exceeds" "$log" | tail -n 3
-}
 if has card; then
-  [ -n "${OLD:-}" ] && run 240 before "$OLD" -m experiments.decode hardware="$HW" -m seq=512,1024,2048,4096
+  [ -n "${OLD:-}" ] && run 240 before "$OLD" python3 -- -m experiments.decode hardware="$HW" -m seq=512,1024,2048,4096
   for M in tiny bench4090 h200bench; do
-    run 200 card "$PWD" -m experiments.decode hardware="$HW" model=$M -m seq=512,1024,2048,4096
+    run 200 card "$PWD" python3 -- -m experiments.decode hardware="$HW" model=$M -m seq=512,1024,2048,4096
   done
 fi
-has long && run 240 long "$PWD" -m experiments.decode hardware="$HW" model=h200bench -m seq=8192,16384,32768,65536
+has long && run 240 long "$PWD" python3 -- -m experiments.decode hardware="$HW" model=h200bench -m seq=8192,16384,32768,65536
 if has serving; then
-  run 200 serving "$PWD" -m experiments.decode hardware="$HW" model=h200bench decode.batch=256 seq=8192
-  run 200 serving "$PWD" -m experiments.decode hardware="$HW" model=h200bench decode.batch=32 seq=65536
+  run 200 serving "$PWD" python3 -- -m experiments.decode hardware="$HW" model=h200bench decode.batch=256 seq=8192
+  run 200 serving "$PWD" python3 -- -m experiments.decode hardware="$HW" model=h200bench decode.batch=32 seq=65536
 fi
 if has ragged; then
-  run 200 ragged "$PWD" -m experiments.decode hardware="$HW" model=h200bench decode.ragged=true decode.batch=8 seq=8192
-  run 200 ragged "$PWD" -m experiments.decode hardware="$HW" model=h200bench decode.ragged=true decode.batch=32 seq=65536
+  run 200 ragged "$PWD" python3 -- -m experiments.decode hardware="$HW" model=h200bench decode.ragged=true decode.batch=8 seq=8192
+  run 200 ragged "$PWD" python3 -- -m experiments.decode hardware="$HW" model=h200bench decode.ragged=true decode.batch=32 seq=65536
 fi
 has tests && (PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu tests/test_decode_gpu.py 2>&1 \
   | grep -E "passed|failed|Error|^E " | tail -n 12)

@@ -11,41 +11,24 @@
 #     tests:     the compiled compile/decode tests (tests/test_compile_gpu.py, tests/test_decode_gpu.py)
 # HW (default h100) names the hardware profile; SEQS (default 8192,65536) the layer step's lengths.
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-case "$OUT" in /*) ;; *) OUT="$PWD/$OUT";; esac
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheelhouse install failed"; exit 1; }
-export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
-HW=${HW:-h100}
+source scripts/gpu_lib.sh
 STEPS=${STEPS:-layer}
 SEQS=${SEQS:-8192,65536}
-has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
-# run <seconds> <db> <tree> args...: python3 args in <tree>, the summary table printed
-run() {
-  local t=$1 db=$2 tree=$3 log; shift 3
-  log=$(mktemp)
-  echo "== [$db] $*"
-  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$t" python3 "$@" "tracking.uri=sqlite:///$OUT/$db.db" 2>&1) \
-    | grep -v "INFO mlflow" >"$log"
-  cat "$log" >>"$OUT/log.txt"
-  sed -n '/^#  /,/^outputs:/p' "$log" | grep -v "^outputs:"
-  grep -E "FAILED|Error|exceeds" "$log" | tail -n 3
-}
 LAYER=(-m experiments.prefill hardware="$HW" model=h200bench backend=triton prefill.dense_flash=false "prefill.peers=[]"
        model.timing.warmup=2 model.timing.repeats=8 prefill.per_branch=false -m seq="$SEQS")
 if has layer; then
-  [ -n "${OLD:-}" ] && run 280 before "$OLD" "${LAYER[@]}"
-  run 280 layer "$PWD" "${LAYER[@]}"
+  [ -n "${OLD:-}" ] && run 280 before "$OLD" python3 -- "${LAYER[@]}"
+  run 280 layer "$PWD" python3 -- "${LAYER[@]}"
 fi
 OPS=(-m experiments.kernels hardware="$HW" model=h200bench kernels.peers=false -m op="${OPS_OPS:-compressed,window,selection}"
      seq="$SEQS")
 if has ops; then
-  [ -n "${OLD:-}" ] && run 280 ops_before "$OLD" "${OPS[@]}"
-  run 280 ops "$PWD" "${OPS[@]}"
+  [ -n "${OLD:-}" ] && run 280 ops_before "$OLD" python3 -- "${OPS[@]}"
+  run 280 ops "$PWD" python3 -- "${OPS[@]}"
 fi
-has profile && run 200 profile "$PWD" -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
+has profile && run 200 profile "$PWD" python3 -- -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
   prefill.dense_flash=false "prefill.peers=[]" prefill.profile=true seq=8192
-has selection && run 200 selection "$PWD" -m experiments.kernels hardware="$HW" model=h200bench op=selection \
+has selection && run 200 selection "$PWD" python3 -- -m experiments.kernels hardware="$HW" model=h200bench op=selection \
   kernels.peers=false -m seq=8192,65536 ${SEL_SWEEP:-tuning.selection.mode=query,block}
 if has tests; then
   PYTHONPATH=/tmp/site:$PWD timeout "${TEST_S:-400}" python3 -m pytest -q -m gpu tests/test_compile_gpu.py \

@@ -1,0 +1,27 @@
+# Sourced by the scripts/h100_*.sh drivers: the wheelhouse install on a GPU host without network (the device
+# tool's boxes) and `run`, which runs one entry point into $OUT/<db>.db and prints its summary table.
+# Needs the wheelhouse (python scripts/wheelhouse.py --dest .whl).
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT";; esac
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheelhouse install failed"; exit 1; }
+export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
+# The multi-GPU boxes' rule: NVLink multicast stays off (it can take the host's shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+HW=${HW:-h100}
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+# run <seconds> <db> <tree> <launcher...> -- args...: `<launcher> args tracking.uri=...` in <tree> (launcher:
+# python3, or torchrun with its options); the summary table (SUMMARY: the regex of its first line) printed,
+# the whole log appended to $OUT/log.txt.
+SUMMARY=${SUMMARY:-'^#  '}
+run() {
+  local t=$1 db=$2 tree=$3 log launcher=(); shift 3
+  while [ "$1" != "--" ]; do launcher+=("$1"); shift; done; shift
+  log=$(mktemp)
+  echo "== [$db] ${launcher[*]} $*"
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout "$t" "${launcher[@]}" "$@" "tracking.uri=sqlite:///$OUT/$db.db" 2>&1) \
+    | grep -v "INFO mlflow" >"$log"
+  cat "$log" >>"$OUT/log.txt"
+  sed -n "/$SUMMARY/,/^outputs:/p" "$log" | grep -v "^outputs:"
+  grep -E "FAILED|Error|exceeds|error:" "$log" | tail -n 3
+}

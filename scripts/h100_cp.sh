@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 30's context-parallel figures on a host with N GPUs (the device tool's nvidia-h100-x2/-x4), no network.
+# Needs the wheelhouse (python scripts/wheelhouse.py --dest .whl). Runs go to $OUT/<step>.db (MLflow).
+#   STEPS="parity cp one" NGPU=2 bash scripts/h100_cp.sh
+#     parity: torchrun experiments.parity parallel.cp=NGPU parity.batch=1 at PARITY_SEQ (default 131072): cp_max_rel_err,
+#             the output and every gradient against the one-device run of the same backends, bf16
+#     cp:     torchrun experiments.prefill parallel.cp=NGPU at CP_SEQS (default 131072 262144 524288): per-rank
+#             fwd and fwd+bwd, the all-gather's share, peak memory
+#     one:    experiments.prefill on one GPU at ONE_SEQS (default 131072 262144 524288), NSA and dense cuDNN,
+#             the baseline of the scaling efficiency (a length one GPU cannot hold fails with its message)
+set -u
+source scripts/gpu_lib.sh
+STEPS=${STEPS:-parity cp one}
+NGPU=${NGPU:-2}
+COMMON=(hardware="$HW" model=h200bench backend=triton model.timing.warmup=2 model.timing.repeats=5)
+TR=(torchrun --standalone --nproc_per_node "$NGPU")
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+if has parity; then
+  run 240 parity "$PWD" "${TR[@]}" -- -m experiments.parity parallel.cp="$NGPU" "${COMMON[@]}" parity.batch=1 seq="${PARITY_SEQ:-131072}"
+  grep -hE "cp_max_rel_err|cp_.*_rel_l2_err" "$OUT/log.txt" | tail -n 12
+fi
+if has cp; then
+  for S in ${CP_SEQS:-131072 262144 524288}; do
+    run 200 cp "$PWD" "${TR[@]}" -- -m experiments.prefill parallel.cp="$NGPU" "${COMMON[@]}" seq="$S"
+  done
+fi
+if has one; then
+  for S in ${ONE_SEQS:-131072 262144 524288}; do
+    CUDA_VISIBLE_DEVICES=0 run 240 one "$PWD" python3 -- -m experiments.prefill "${COMMON[@]}" prefill.per_branch=false \
+      prefill.dense_flash=false "prefill.peers=[]" seq="$S"
+  done
+fi
+exit 0
