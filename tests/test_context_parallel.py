@@ -7,7 +7,9 @@ put together equal ``nsa.functional.nsa_attention`` over the whole sequence, and
 the gates and every branch's raw keys and values (reduce-scattered by the all-gather's backward); phi's
 parameter gradients summed over the ranks equal the single-device ones. 2 and 3 ranks, chunks that cut
 compression blocks, selection blocks and the window; phi = MLP and mean. And the layer with ``cp_group``
-against the layer on one device (outputs, input and parameter gradients).
+against the layer on one device (outputs, input and parameter gradients). Packed documents (``cu_seqlens``):
+the same against the single-device packed call and the layer on the whole packed sequence, with documents
+that span chunks and ranks, empty and one-token documents and ones shorter than l and l_sel.
 """
 from __future__ import annotations
 
