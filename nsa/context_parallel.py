@@ -8,6 +8,7 @@
     o = cp.unshard([o_0, .., o_{R-1}])             # = functional.nsa_attention on the whole sequence
     y_r = layer(cp.shard(x, rank, world), cp_group=dist.group.WORLD)   # the layer: the same, RoPE at the
                                                                        # rank's positions
+    o_r = cp.nsa_attention(.., cu_seqlens=docs)    # packed documents: x [1,N,..], the whole cu_seqlens
 
 Layout (:func:`shard`): the T tokens are cut into 2R equal chunks; rank r holds chunks r and 2R-1-r
 (one early and one late chunk: with causal attention every rank then has about the same work). Every
@@ -22,15 +23,38 @@ through :func:`nsa.functional.nsa_attention` at its position (``q_start``), over
 chunk's end. Outputs and every gradient equal the single-device computation (tests/test_context_parallel.py:
 float64 through gloo). phi's parameters get, on each rank, the gradient of that rank's queries: sum them
 over the ranks (as data parallelism all-reduces gradients) for the single-device gradient.
+
+Packed documents (``cu_seqlens``, docs/nsa-spec.md "Varlen"): B = 1 and the N packed tokens are cut into the
+same 2R equal chunks, whatever the document boundaries (a document may span chunks and ranks); every rank
+passes the whole sequence's ``cu_seqlens``. phi runs per document over the gathered sequence
+(``functional.compress(.., cu_seqlens=..)``). A query chunk [a, e) then splits at document boundaries into
+
+* at most one *head* piece [a, b): the rest of the document i that began before the chunk (s_i < a),
+  b = min(its end, e). One call of :func:`nsa.functional.nsa_attention` without ``cu_seqlens``: that
+  document's keys [s_i, b), its first n_cmp(b - s_i) compressed tokens, ``q_start = a - s_i`` (positions
+  counted from the document's start);
+* the *body* [b, e): the documents that start in the chunk, the last cut at e. One packed call
+  (``cu_seqlens`` of those documents, rebased to b), keys [b, e) and their compressed tokens, a contiguous
+  run of the packed compressed rows. A document cut at e gives its first e - s tokens exactly what it gives
+  whole (causal attention: query t reads no key after t, compressed token i only raw tokens < i*d + l,
+  selection block j counted from the document's start).
+
+So a rank makes at most four calls (two per chunk), whatever the number of documents: the packed
+calls take no query offset (``q_start`` is 0 with ``cu_seqlens``), and only the head piece needs one. The
+plan (pieces, their documents) is computed on the host once per :class:`nsa.varlen.Varlen` and kept with it:
+pass one Varlen to every layer. The module takes it as ``layer(x_r, cu_seqlens=docs, cp_group=group)``, with
+RoPE at the rank's positions counted from each document's start (:func:`positions`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
 from . import functional
 from .config import NSAConfig
+from .varlen import Varlen, as_varlen
 
 
 def _chunks(T: int, world: int) -> int:
@@ -47,9 +71,14 @@ def shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([x.narrow(dim, rank * C, C), x.narrow(dim, (2 * world - 1 - rank) * C, C)], dim)
 
 
-def positions(T: int, rank: int, world: int, device=None) -> torch.Tensor:
-    """The absolute positions ``[2C]`` of rank ``rank``'s tokens of a T-token sequence."""
-    return shard(torch.arange(T, device=device)[None], rank, world)[0]
+def positions(T: int, rank: int, world: int, device=None, *, cu_seqlens=None) -> torch.Tensor:
+    """The positions ``[2C]`` of rank ``rank``'s tokens of a T-token sequence: absolute, or with ``cu_seqlens``
+    (packed documents of T tokens in all) counted from each token's document start."""
+    docs = as_varlen(cu_seqlens)
+    if docs is None:
+        return shard(torch.arange(T, device=device)[None], rank, world)[0]
+    docs.check_total(T, f"the whole sequence (T={T})")
+    return shard(docs.row_pos("cpu" if device is None else device)[None], rank, world)[0]
 
 
 def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
@@ -66,14 +95,55 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
     return unshard(list(dist_fn.all_gather(x, group=group)))
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One attention call of a query chunk (packed rows): queries [q0, q1), raw keys [k0, q1), compressed rows
+    [c0, c1); ``docs`` the documents of the body call (rows [q0, q1), so k0 = q0), None for a head piece
+    (one document from k0, queries at q_start = q0 - k0)."""
+
+    q0: int
+    q1: int
+    k0: int
+    c0: int
+    c1: int
+    docs: Varlen | None
+
+
+def _plan(docs: Varlen, config: NSAConfig, C: int, rank: int, world: int) -> tuple[tuple[_Piece, ...], ...]:
+    """The pieces of each of the rank's two query chunks (module docstring: head and body)."""
+    n_cmp = docs.cmp_counts(config)
+    cu_cmp = [0]
+    for n in n_cmp:
+        cu_cmp.append(cu_cmp[-1] + n)
+    spans = [(i, s, s + n) for i, (s, n) in enumerate(zip(docs.starts, docs.lens)) if n]  # empty ones hold nothing
+    plan = []
+    for pos in (rank, 2 * world - 1 - rank):
+        a, e = pos * C, (pos + 1) * C
+        pieces, lo = [], a
+        for i, s, end in spans:
+            if s < a < end:  # document i began before the chunk: its rest here is the head piece
+                lo = min(end, e)
+                pieces.append(_Piece(a, lo, s, cu_cmp[i], cu_cmp[i] + config.n_cmp(lo - s), None))
+        if lo < e:  # the documents that start in [lo, e), the last cut at e
+            body = [(i, s, min(end, e)) for i, s, end in spans if lo <= s < e]
+            cu = [0] + [b - lo for _, _, b in body]
+            last, s_last, b_last = body[-1]
+            pieces.append(_Piece(lo, e, lo, cu_cmp[body[0][0]], cu_cmp[last] + config.n_cmp(b_last - s_last),
+                                 Varlen(torch.tensor(cu, dtype=torch.int32))))
+        plan.append(tuple(pieces))
+    return tuple(plan)
+
+
 def nsa_attention(q, k_cmp_raw, v_cmp_raw, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, phi_k=None,
                   phi_v=None, group=None, scale=None, backend: str | Mapping[str, str] = "reference",
-                  fallback: str | None = None) -> torch.Tensor:
+                  fallback: str | None = None, cu_seqlens=None) -> torch.Tensor:
     """This rank's NSA output ``[B,2C,HQ,Dv]`` for its part of one sequence (module docstring: layout).
 
     ``phi_k``/``phi_v``: the compression phi of keys and values (``[B,Tc,H,l,D] -> [B,Tc,H,D]``; None:
     mean pooling), as :func:`nsa.functional.compress` takes; ``group``: the process group (default: the
-    world); ``backend``/``fallback``/``scale``: as :func:`nsa.functional.nsa_attention`."""
+    world); ``backend``/``fallback``/``scale``: as :func:`nsa.functional.nsa_attention`. ``cu_seqlens``:
+    packed documents of the *whole* sequence (B = 1; its last offset is 2C x world; a tensor or a
+    :class:`nsa.varlen.Varlen`, which keeps this rank's plan of calls), the same on every rank."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -82,19 +152,41 @@ def nsa_attention(q, k_cmp_raw, v_cmp_raw, k_sel, v_sel, k_win, v_win, gates, co
         if x.dim() != 4 or x.shape[1] != q.shape[1]:
             raise ValueError(f"{name}: expected this rank's [B,2C,...] part with 2C={q.shape[1]} tokens (q's), "
                              f"got {tuple(x.shape)}")
-    C = _chunks(q.shape[1] * world, world)
+    N = q.shape[1] * world
+    C = _chunks(N, world)
+    docs = as_varlen(cu_seqlens)
+    if docs is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"q: expected batch 1 with cu_seqlens (documents packed along the token axis), "
+                             f"got shape {tuple(q.shape)}")
+        docs.check_total(N, f"the whole sequence (this rank's 2C={q.shape[1]} tokens x {world} ranks)")
     full = {n: _gather(x, group) for n, x in (("kc", k_cmp_raw), ("vc", v_cmp_raw), ("ks", k_sel), ("vs", v_sel),
                                                ("kw", k_win), ("vw", v_win))}
-    k_cmp = functional.compress(full["kc"], config, phi_k)
-    v_cmp = functional.compress(full["vc"], config, phi_v)
+    k_cmp = functional.compress(full["kc"], config, phi_k, cu_seqlens=docs)
+    v_cmp = functional.compress(full["vc"], config, phi_v, cu_seqlens=docs)
+    kw = dict(scale=scale, backend=backend, fallback=fallback)
     outs = []
-    for half, pos in ((0, rank), (1, 2 * world - 1 - rank)):
-        a, end = pos * C, (pos + 1) * C
-        nc = config.n_cmp(end)
-        sl = slice(half * C, (half + 1) * C)
-        outs.append(functional.nsa_attention(
-            q[:, sl], k_cmp[:, :nc], v_cmp[:, :nc], full["ks"][:, :end], full["vs"][:, :end], full["kw"][:, :end],
-            full["vw"][:, :end], gates[:, sl], config, scale=scale, backend=backend, fallback=fallback, q_start=a))
+    if docs is None:
+        for half, pos in ((0, rank), (1, 2 * world - 1 - rank)):
+            a, end = pos * C, (pos + 1) * C
+            nc = config.n_cmp(end)
+            sl = slice(half * C, (half + 1) * C)
+            outs.append(functional.nsa_attention(
+                q[:, sl], k_cmp[:, :nc], v_cmp[:, :nc], full["ks"][:, :end], full["vs"][:, :end],
+                full["kw"][:, :end], full["vw"][:, :end], gates[:, sl], config, q_start=a, **kw))
+        return torch.cat(outs, 1)
+    plan = docs.kept(("context_parallel", rank, world, config.l, config.d),
+                     lambda: _plan(docs, config, C, rank, world))
+    for half, (pos, pieces) in enumerate(zip((rank, 2 * world - 1 - rank), plan)):
+        for p in pieces:
+            # the piece's queries in this rank's part: chunk `half` holds packed rows [pos*C, (pos+1)*C)
+            sl = slice(half * C + p.q0 - pos * C, half * C + p.q1 - pos * C)
+            keys = [full[n][:, p.k0:p.q1] for n in ("ks", "vs", "kw", "vw")]
+            outs.append(functional.nsa_attention(
+                q[:, sl], k_cmp[:, p.c0:p.c1], v_cmp[:, p.c0:p.c1], *keys, gates[:, sl], config,
+                q_start=p.q0 - p.k0, cu_seqlens=p.docs, **kw))
+    if not outs:  # N = 0: no token, no call
+        return q.new_zeros(1, 0, q.shape[2], v_sel.shape[3])
     return torch.cat(outs, 1)
 
 

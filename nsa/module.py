@@ -185,7 +185,9 @@ class NSAAttention(nn.Module):
 
     Context parallelism: ``forward(x_r, cp_group=group)`` with x_r this rank's part of one sequence
     (:func:`nsa.context_parallel.shard`) gives this rank's part of the output (:mod:`nsa.context_parallel`);
-    each rank's parameter gradients then sum, over the ranks, to the single-device ones.
+    each rank's parameter gradients then sum, over the ranks, to the single-device ones. With
+    ``cu_seqlens`` (the whole packed sequence's, on every rank; x_r ``[1,2C,dim]`` its shard) the same for
+    packed documents, each at positions from its own start, as ``forward(x, cu_seqlens=..)`` gives them.
 
     ``backend`` / ``fallback`` / ``streams`` are passed to :func:`nsa.functional.nsa_attention`.
     """
@@ -294,9 +296,9 @@ class NSAAttention(nn.Module):
                              f"{str(wdt).replace('torch.', '')} (its parameters); cast one to the other, or run under "
                              "torch.autocast")
         if cp_group is not None:
-            if cache is not None or cu_seqlens is not None:
-                raise ValueError("cp_group: context parallelism runs a whole sequence (no cache, no cu_seqlens)")
-            return self._forward_cp(x, cp_group)
+            if cache is not None:
+                raise ValueError("cp_group: context parallelism runs a whole sequence or packed documents (no cache)")
+            return self._forward_cp(x, cp_group, as_varlen(cu_seqlens))
         docs = as_varlen(cu_seqlens)
         if docs is not None:
             if B != 1:
@@ -327,8 +329,9 @@ class NSAAttention(nn.Module):
                 cache.lengths = docs.lens
         return self.o_proj(o.reshape(B, T, c.n_heads * c.d_v))
 
-    def _forward_cp(self, x: torch.Tensor, group) -> torch.Tensor:
-        """This rank's part of a sequence (``nsa.context_parallel.shard`` of it) -> its part of the output."""
+    def _forward_cp(self, x: torch.Tensor, group, docs=None) -> torch.Tensor:
+        """This rank's part of a sequence (``nsa.context_parallel.shard`` of it) -> its part of the output;
+        ``docs``: the packed documents of the whole sequence (RoPE positions from each document's start)."""
         import torch.distributed as dist
 
         from . import context_parallel as cp
@@ -336,10 +339,15 @@ class NSAAttention(nn.Module):
         c = self.config
         B, T2, _ = x.shape
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        q, kv, gates = self._project(x, cp.positions(T2 * world, rank, world, x.device))
+        if docs is not None:
+            if B != 1:
+                raise ValueError(f"x: expected [1,2C,{c.dim}] with cu_seqlens (documents packed along the token "
+                                 f"axis), got {tuple(x.shape)}")
+            docs.check_total(T2 * world, f"the whole sequence (x's 2C={T2} tokens x {world} ranks)")
+        q, kv, gates = self._project(x, cp.positions(T2 * world, rank, world, x.device, cu_seqlens=docs))
         o = cp.nsa_attention(q, kv["k_cmp_raw"], kv["v_cmp_raw"], kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"],
                              gates, c, phi_k=self.phi_k, phi_v=self.phi_v, group=group, backend=self.backend,
-                             fallback=self.fallback)
+                             fallback=self.fallback, cu_seqlens=docs)
         return self.o_proj(o.reshape(B, T2, c.n_heads * c.d_v))
 
     @staticmethod
