@@ -772,7 +772,7 @@ case "$CMD" in
             runuser -u "$u" -- test -x "$DIR" \
                 || die "user $u cannot reach $DIR: choose a --dir whose parent directories others may enter"
         done
-        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000} WORKERS=${WORKERS:-4} PY=${PY:-$(command -v python || command -v python3)}
+        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000} WORKERS=${WORKERS:-4} PY=${PY:-$(command -v python || command -v python3 || true)}
         PY=$(command -v "$PY" || echo "$PY")
         printf 'HOST=%s\nPORT=%s\nWORKERS=%s\nPY=%s\nFAKE_GPUS=%s\n' "$HOST" "$PORT" "$WORKERS" "$PY" "$FAKE_GPUS" > "$SETTINGS"
         if [ -n "$PREFIX$NO_TRACKING$PORT_OFFSET" ]; then
