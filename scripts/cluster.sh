@@ -42,7 +42,7 @@
 # still matches, and fails only on those and on this cluster's job steps (slurmstepd of its slurmd).
 #
 # On a host without apt or network (the packages are Debian 12's; they run on Ubuntu 24.04 too), as root:
-#   scripts/cluster.sh fetch .debs                  (on a Debian 12 machine with apt; ~15 MB)
+#   scripts/cluster.sh fetch .debs                  (on a Debian 12 machine with apt: 14 MiB)
 #   scripts/cluster.sh unpack .debs /tmp/slurm      (on the host: nothing is installed into /)
 #   scripts/cluster.sh up --prefix /tmp/slurm --no-tracking --dir /tmp/cl
 #   . /tmp/cl/slurm.env && python -m experiments.decode -m hydra/launcher=per_gpu tracking.uri=sqlite:////tmp/cl/mlflow.db ...

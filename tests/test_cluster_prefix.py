@@ -1,6 +1,7 @@
-"""scripts/cluster.sh on a host without apt or network, as on the GPU box: `fetch` the .deb files, `unpack`
-them under a prefix, `up --prefix P --no-tracking` from it, a per-GPU sweep through SLURM into an SQLite
-file, then `down`.
+"""scripts/cluster.sh on a host without apt or network, as on the GPU box: the lines of docs/cluster.md's
+"SLURM on a host without apt or network" as written but for their folders (the test's own) and `up`'s
+``--fake-gpus 2 --port-offset 100``: `fetch` the .deb files, `unpack` them under a prefix,
+`up --prefix P --no-tracking` from it, a per-GPU sweep through SLURM into an SQLite file, then `down`.
 
 The cluster here is a second one beside the one CI starts for tests/test_cluster.py (``--port-offset``),
 and every library of the prefix is used as if this host lacked them all (``ldconfig -p`` answers nothing
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import entrypoints
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +33,16 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="scripts/cluster.sh up needs root"),
     pytest.mark.skipif(not (shutil.which("dpkg") and shutil.which("apt-get")), reason="fetch and unpack need apt-get and dpkg"),
 ]
+
+
+def documented() -> list[str]:
+    """The lines of the docs' block for a host without apt: fetch, unpack, up, the sweep, down."""
+    (block,) = re.findall(r"```bash\n(.*?)```", entrypoints.doc_section("SLURM on a host without apt or network"), re.S)
+    lines = [" ".join(ln.split()) for ln in block.strip().splitlines()]
+    assert [ln.split()[:2] for ln in lines] == [["scripts/cluster.sh", "fetch"], ["scripts/cluster.sh", "unpack"],
+                                                ["scripts/cluster.sh", "up"], [".", "/tmp/cl/slurm.env"],
+                                                ["scripts/cluster.sh", "down"]], lines
+    return lines
 
 
 def _cluster_sh(*args: str, env: dict | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -47,6 +60,8 @@ def work():
 
 @pytest.fixture(scope="module")
 def debs(work) -> Path:
+    (fetch,) = [ln for ln in documented() if ln.startswith("scripts/cluster.sh fetch ")]
+    assert fetch == "scripts/cluster.sh fetch .debs"
     r = _cluster_sh("fetch", str(work / "debs"), timeout=600)
     if r.returncode != 0 and re.search(r"apt-get (download .* failed|update failed)", r.stderr):
         pytest.skip(f"fetch could not download the packages (no network, none in apt's cache): {r.stderr.strip()}")
@@ -83,7 +98,10 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
     DIR/slurm.env) lands in the SQLite file `up` named, each job on its own fake GPU, with SLURM's
     accounting (P's sacct, slurmdbd, MariaDB); `down` stops all of it."""
     prefix, state = work / "prefix", work / "state"
-    r = _cluster_sh("unpack", str(debs), str(prefix))
+    _, unpack, up, sweep_line, down_line = [
+        ln.replace(".debs", str(debs)).replace("/tmp/slurm", str(prefix)).replace("/tmp/cl", str(state))
+        for ln in documented()]
+    r = _cluster_sh(*shlex.split(unpack)[1:])
     assert r.returncode == 0, r.stdout + r.stderr
     assert os.readlink(prefix / "usr/sbin/slurmstepd") == "slurmstepd-wlm"
 
@@ -97,8 +115,7 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
     pids: dict[str, int] = {}
     etc_before = os.path.realpath("/etc/slurm/slurm.conf") if os.path.lexists("/etc/slurm/slurm.conf") else None
     try:
-        r = _cluster_sh("up", "--prefix", str(prefix), "--no-tracking", "--dir", str(state), "--fake-gpus", "2",
-                        "--port-offset", OFFSET, env=base)
+        r = _cluster_sh(*shlex.split(up)[1:], "--fake-gpus", "2", "--port-offset", OFFSET, env=base)
         assert r.returncode == 0, r.stdout + r.stderr
         uri = f"sqlite:///{state}/mlflow.db"
         assert r.stdout.strip().splitlines()[-1] == f"MLFLOW_TRACKING_URI={uri}", r.stdout
@@ -115,6 +132,8 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
         assert f"{prefix}/usr/lib/x86_64-linux-gnu/libmariadb.so.3" in maps["slurmdbd"]
         assert f"{prefix}/usr/lib/x86_64-linux-gnu/libaio.so" in maps["mariadbd"]
 
+        source, cmd = sweep_line.split(" && ")
+        assert source == f". {state}/slurm.env"
         env = sourced(state / "slurm.env", {**base, "PATH": "/usr/local/bin:/usr/bin:/bin"})
         assert shutil.which("sbatch", path=env["PATH"]) == f"{prefix}/usr/bin/sbatch"
         job = subprocess.run(["sbatch", "--parsable", "--wait", "-c", "1", "-o", str(tmp_path / "job.out"),
@@ -124,10 +143,9 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
         steps = (tmp_path / "job.out").read_text().split()
         assert steps == [f"{prefix}/usr/sbin/slurmstepd-wlm"] * 2, steps  # the batch step's and srun's
 
+        assert f"tracking.uri={uri} " in cmd
         sweep = subprocess.run(
-            [sys.executable, "-m", "experiments.decode", "-m", "hydra/launcher=per_gpu", f"tracking.uri={uri}",
-             "seq=64,128", "decode.per_branch=false"],
-            cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+            [sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
         assert sweep.returncode == 0, sweep.stderr[-3000:]
         last = sweep.stderr.strip().splitlines()[-1]
         assert "jobs ran on GPUs" in last and "never two at once on one GPU" in last, last
@@ -144,7 +162,7 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
                               capture_output=True, text=True, check=True).stdout.split()
         assert len(acct) == 2 and all("|COMPLETED|" in ln and "gres/gpu=1" in ln for ln in acct), acct
     finally:
-        down = _cluster_sh("down", "--dir", str(state), env=base)
+        down = _cluster_sh(*shlex.split(down_line)[1:], env=base)
     assert down.returncode == 0 and "nothing left running" in down.stdout, down.stdout + down.stderr
     for name, pid in pids.items():
         try:
