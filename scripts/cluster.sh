@@ -628,7 +628,7 @@ job_steps() {  # this cluster's job steps: slurmstepd processes that our slurmd 
     # inherited; another cluster's slurmd has its own or none)
     local p
     for p in $(pids_named slurmstepd); do
-        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF_FILE" && echo "$p"
+        { tr '\0' '\n' < "/proc/$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF_FILE" && echo "$p"
     done
     return 0
 }
