@@ -7,6 +7,9 @@
 #   scripts/cluster.sh status [--dir DIR]   what runs; exit 0 when all of it does, 3 when none does
 #   scripts/cluster.sh down [--dir DIR]     stop what up started (jobs cancelled first); fails if any of it is left
 #   scripts/cluster.sh overhead [N] [--dir DIR]   SLURM's overhead: N trivial jobs one by one, then as one array
+#   scripts/cluster.sh fetch DEBDIR         download (apt-get download; root) into DEBDIR the .deb files of SLURM,
+#                                           munge and MariaDB for a host without apt or network (no PostgreSQL)
+#   scripts/cluster.sh unpack DEBDIR P      dpkg -x every .deb of DEBDIR under the prefix P (nothing goes into /)
 #
 # up options:
 #   --dir DIR          state: configs, databases, logs, artifacts (default: <repo>/.cluster)
@@ -16,6 +19,10 @@
 #   --python PY        the Python with mlflow and psycopg (pip install -e ".[cluster]"; default: python on PATH)
 #   --fake-gpus N      declare N fake GPUs (character devices like /dev/null) instead of /dev/nvidia[0-9]*:
 #                      for testing the one-job-per-GPU pinning on a machine without GPUs
+#   --prefix P         SLURM, munge and MariaDB from the packages `unpack` put under P, not the system's
+#   --no-tracking      no PostgreSQL and no MLflow server: the runs go into an SQLite file, DIR/mlflow.db
+#   --port-offset N    add N to the daemons' ports (MariaDB, slurmctld/slurmd/slurmdbd, PostgreSQL): a second
+#                      cluster beside another one
 #
 # What runs (everything on 127.0.0.1 but the MLflow server, which binds --host):
 #   munged (socket in DIR/munge), MariaDB :3307 + slurmdbd :6819 (SLURM's accounting: sacct, which
@@ -33,30 +40,113 @@
 # DIR/slurm/slurm.conf made while the cluster is up (only where that path is free or already such a link).
 # `up` records each daemon's pid and start time (DIR/pids); `down` stops only processes whose start time
 # still matches, and fails only on those and on this cluster's job steps (slurmstepd of its slurmd).
+#
+# On a host without apt or network (the packages are Debian 12's; they run on Ubuntu 24.04 too), as root:
+#   scripts/cluster.sh fetch .debs                  (on a Debian 12 machine with apt: 14 MiB)
+#   scripts/cluster.sh unpack .debs /tmp/slurm      (on the host: nothing is installed into /)
+#   scripts/cluster.sh up --prefix /tmp/slurm --no-tracking --dir /tmp/cl
+#   . /tmp/cl/slurm.env && python -m experiments.decode -m hydra/launcher=per_gpu tracking.uri=sqlite:////tmp/cl/mlflow.db ...
+#   scripts/cluster.sh down --dir /tmp/cl
+# With --prefix, /etc is left alone: the daemons get P's binaries, plugins (PluginDir), libraries and
+# MariaDB's share files from `up`, and the clients theirs from DIR/slurm.env, which the sweep's shell
+# sources: PATH (P's bin and sbin first), LD_LIBRARY_PATH (SLURM's private library, and DIR/lib: links to
+# those of P's shared libraries whose name the system's own (ldconfig -p) lacks, so a library the host
+# has is never replaced, in the sweep's Python neither) and SLURM_CONF. sbatch passes that environment
+# on to the jobs, and so to the srun and Python in them. A missing `mysql` user (MariaDB's) is created
+# (useradd --system); munged runs as root, as without --prefix. DIR must be reachable by user mysql
+# (/tmp/cl is; a folder under /root is not).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PG_PORT=5433
-DB_PORT=3307
-CTLD_PORT=6817
-SLURMD_PORT=6818
-DBD_PORT=6819
 PARTITION=nsa
 ETC_SLURM_CONF=/etc/slurm/slurm.conf
 DEBIAN_PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server postgresql)
+# What `fetch` downloads: the daemons and clients (SLURM's plugins, its MySQL plugin, MariaDB's server and
+# client cores: not mariadb-server, whose scripts need perl, galera, rsync, ...), and the libraries they
+# link that a minimal Ubuntu 24.04 may lack (libaio1: Ubuntu's libaio1t64 is libaio.so.1t64). Left out:
+# what every Debian or Ubuntu has (libc6, libgcc-s1, libstdc++6, zlib1g, libpam0g, libsystemd0, libudev1,
+# libpcre2-8-0, libcrypt1, liblz4-1, libgcrypt20, libbz2-1.0, libtinfo6, libmd0, ...), PostgreSQL, and
+# what only plugins this cluster does not load link (lua, dbus: cgroup/v2, pmix, rrd, ...).
+FETCH_PACKAGES=(munge libmunge2 slurmctld slurmd slurm-client slurmdbd slurm-wlm-basic-plugins
+    slurm-wlm-mysql-plugin mariadb-server-core mariadb-client-core libmariadb3
+    libaio1 liburing2 libnuma1 libhwloc15 libreadline8 libedit2 libbsd0 libncurses6 libssl3 libjson-c5 libyaml-0-2)
 
 die() { echo "cluster: $*" >&2; exit 2; }
 say() { echo "cluster: $*"; }
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
+# ---------------------------------------------------------------- fetch, unpack: packages for a host without apt
+candidates() {  # "package version architecture" of each of FETCH_PACKAGES that apt knows
+    apt-cache show --no-all-versions "${FETCH_PACKAGES[@]}" 2>/dev/null \
+        | awk '/^Package: / { p = $2 } /^Version: / { v = $2 } /^Architecture: / { a = $2 } /^$/ && p { print p, v, a; p = "" }
+               END { if (p) print p, v, a }'
+}
+
+cmd_fetch() {  # cmd_fetch DEBDIR: FETCH_PACKAGES' candidate versions, from apt's cache where it holds them
+    local dest=$1 p found ver arch name total
+    [ "$(id -u)" -eq 0 ] || die "fetch needs root (apt-get download, apt-get update)"
+    command -v apt-get > /dev/null || die "fetch needs apt-get (a Debian 12 machine)"
+    mkdir -p "$dest" 2>/dev/null || die "cannot create $dest"
+    found=$(candidates)
+    if [ "$(wc -l <<< "$found")" -ne ${#FETCH_PACKAGES[@]} ]; then
+        apt-get update -qq || die "apt-get update failed"
+        found=$(candidates)
+    fi
+    declare -A want=()
+    for p in "${FETCH_PACKAGES[@]}"; do
+        read -r _ ver arch <<< "$(grep "^$p " <<< "$found" | head -1)"
+        [ -n "${arch:-}" ] || die "apt knows no package $p"
+        name="${p}_${ver//:/%3a}_${arch}.deb"  # how apt names the file (the epoch's colon as %3a)
+        want[$name]=1
+        if [ -s "$dest/$name" ]; then
+            :
+        elif [ -s "/var/cache/apt/archives/$name" ]; then
+            cp "/var/cache/apt/archives/$name" "$dest/"
+        else
+            (cd "$dest" && apt-get download -qq "$p=$ver" 2>&1 | grep -v "unsandboxed as root" >&2) || true
+            [ -s "$dest/$name" ] || die "apt-get download $p=$ver failed"
+        fi
+    done
+    for p in "$dest"/*.deb; do
+        [ -e "$p" ] && [ -z "${want[$(basename "$p")]:-}" ] && die "$dest holds $(basename "$p"), which is none of the packages: give an empty folder"
+    done
+    total=$(du -cb "$dest"/*.deb | tail -1 | cut -f1)
+    say "fetched ${#want[@]} packages into $dest: $(awk -v b="$total" 'BEGIN { printf "%.1f MiB", b / 1048576 }') ($total bytes)"
+}
+
+cmd_unpack() {  # cmd_unpack DEBDIR P: dpkg -x each package under P; SLURM's daemons under their plain names
+    local debs=$1 prefix=$2 f n=0 b
+    command -v dpkg > /dev/null || die "unpack needs dpkg"
+    compgen -G "$debs/*.deb" > /dev/null || die "no .deb files in $debs (scripts/cluster.sh fetch $debs)"
+    mkdir -p "$prefix" 2>/dev/null || die "cannot create $prefix"
+    for f in "$debs"/*.deb; do
+        dpkg -x "$f" "$prefix" || die "dpkg -x $f failed"
+        n=$((n + 1))
+    done
+    # Debian installs slurmctld-wlm (...) and points slurmctld at it through update-alternatives, in its
+    # postinst, which dpkg -x does not run; slurmd runs the slurmstepd beside it.
+    for b in slurmctld slurmd slurmstepd; do
+        [ -e "$prefix/usr/sbin/$b-wlm" ] && ln -sfn "$b-wlm" "$prefix/usr/sbin/$b"
+    done
+    say "unpacked $n packages into $prefix ($(du -sh "$prefix" | cut -f1)): scripts/cluster.sh up --prefix $prefix --no-tracking --dir DIR"
+}
+
 # ---------------------------------------------------------------- options and saved settings
 CMD=${1:-}
 [ -n "$CMD" ] || { usage; exit 2; }
 case "$CMD" in -h|--help|help) usage; exit 0 ;; esac
 shift
+case "$CMD" in
+    fetch)
+        [ $# -eq 1 ] && [ "${1:0:1}" != - ] || die "usage: scripts/cluster.sh fetch DEBDIR"
+        cmd_fetch "$1"; exit 0 ;;
+    unpack)
+        [ $# -eq 2 ] && [ "${1:0:1}" != - ] && [ "${2:0:1}" != - ] || die "usage: scripts/cluster.sh unpack DEBDIR PREFIX"
+        cmd_unpack "$1" "$2"; exit 0 ;;
+esac
 DIR=$REPO/.cluster
-HOST= PORT= WORKERS= PY= FAKE_GPUS= N_OVERHEAD=
+HOST= PORT= WORKERS= PY= FAKE_GPUS= N_OVERHEAD= PREFIX= NO_TRACKING= PORT_OFFSET=
 while [ $# -gt 0 ]; do
     case "$1" in
         --dir) DIR=${2:?--dir needs a directory}; shift 2 ;;
@@ -65,12 +155,15 @@ while [ $# -gt 0 ]; do
         --workers) WORKERS=${2:?--workers needs a number}; shift 2 ;;
         --python) PY=${2:?--python needs a path}; shift 2 ;;
         --fake-gpus) FAKE_GPUS=${2:?--fake-gpus needs a number}; shift 2 ;;
+        --prefix) PREFIX=${2:?--prefix needs a directory}; shift 2 ;;
+        --no-tracking) NO_TRACKING=1; shift ;;
+        --port-offset) PORT_OFFSET=${2:?--port-offset needs a number}; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         [0-9]*) [ "$CMD" = overhead ] || die "unexpected argument '$1'"; N_OVERHEAD=$1; shift ;;
         *) die "unknown option '$1' (scripts/cluster.sh --help)" ;;
     esac
 done
-for v in PORT WORKERS FAKE_GPUS N_OVERHEAD; do
+for v in PORT WORKERS FAKE_GPUS N_OVERHEAD PORT_OFFSET; do
     [ -z "${!v}" ] || [[ "${!v}" =~ ^[0-9]+$ ]] || die "--$(echo "$v" | tr 'A-Z_' 'a-z-') must be a whole number, got '${!v}'"
 done
 mkdir -p "$DIR" 2>/dev/null || die "cannot create the state directory $DIR"
@@ -79,12 +172,63 @@ SETTINGS=$DIR/cluster.env
 SLURM_CONF_FILE=$DIR/slurm/slurm.conf
 export SLURM_CONF=$SLURM_CONF_FILE
 
-# The settings of the last `up` (host, port, workers, python, fake GPUs) are kept in DIR/cluster.env, so
-# that status/down/up-again see the cluster as it was started.
+# The settings of the last `up` (host, port, workers, python, fake GPUs, prefix, no tracking, port offset)
+# are kept in DIR/cluster.env, so that status/down/up-again see the cluster as it was started.
 saved() { [ ! -f "$SETTINGS" ] || sed -n "s/^$1=//p" "$SETTINGS" | tail -1; }
 
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1; }
-port_busy() { ss -Hltn "sport = :$1" | grep -q .; }
+port_busy() {  # a TCP socket listens on port $1 (ss; where iproute2 is missing, /proc/net/tcp*: 0A is LISTEN)
+    if command -v ss > /dev/null; then ss -Hltn "sport = :$1" | grep -q .; return; fi
+    awk -v p="$(printf '%04X' "$1")" '$4 == "0A" && toupper(substr($2, length($2) - 3)) == p { f = 1 } END { exit !f }' \
+        /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+pids_named() {  # the pids of the processes whose name (comm) is $1: pgrep -x, or /proc where procps is missing
+    if command -v pgrep > /dev/null; then pgrep -x "$1" || true; return 0; fi
+    local f c
+    for f in /proc/[0-9]*/comm; do
+        { read -r c < "$f"; } 2>/dev/null && [ "$c" = "$1" ] && { f=${f%/comm}; echo "${f#/proc/}"; }
+    done
+    return 0
+}
+
+PG_PORT= DB_PORT= CTLD_PORT= SLURMD_PORT= DBD_PORT= SLURM_LIBDIR= MARIADB_OPTS=()
+apply_settings() {  # the ports, the services and, with a prefix, where SLURM, munge and MariaDB are
+    local o=${PORT_OFFSET:-0}
+    PG_PORT=$((5433 + o)) DB_PORT=$((3307 + o)) CTLD_PORT=$((6817 + o)) SLURMD_PORT=$((6818 + o)) DBD_PORT=$((6819 + o))
+    [ -z "$NO_TRACKING" ] || SERVICES=(munged mariadbd slurmdbd slurmctld slurmd)
+    [ -n "$PREFIX" ] || return 0
+    SLURM_LIBDIR=$(ls -d "$PREFIX"/usr/lib/*/slurm-wlm 2>/dev/null | head -1)
+    SLURM_LIBDIR=${SLURM_LIBDIR:-$PREFIX/usr/lib/x86_64-linux-gnu/slurm-wlm}
+    export PATH="$PREFIX/usr/sbin:$PREFIX/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="$DIR/lib:$SLURM_LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    MARIADB_OPTS=(--basedir="$PREFIX/usr" --lc-messages-dir="$PREFIX/usr/share/mysql"
+        --character-sets-dir="$PREFIX/usr/share/mysql/charsets" --plugin-dir="$PREFIX/usr/lib/mysql/plugin")
+}
+
+link_prefix_libs() {  # DIR/lib: links to those of P's shared libraries whose name the system's (ldconfig -p)
+    # lacks; the system's own are used where it has them (newer, and never two copies in one process)
+    local have f n=0
+    have=$(ldconfig -p 2>/dev/null | awk 'NR > 1 { print $1 }' || true)
+    rm -rf "$DIR/lib"
+    install -d "$DIR/lib"
+    for f in "$PREFIX"/usr/lib/*/lib*.so.* "$PREFIX"/lib/*/lib*.so.*; do
+        [[ "$f" =~ \.so\.[0-9]+$ ]] || continue  # a library's name (libaio.so.1), not its file's (libaio.so.1.0.2)
+        grep -qxF "$(basename "$f")" <<< "$have" && continue
+        ln -sfn "$f" "$DIR/lib/"
+        n=$((n + 1))
+    done
+    echo "$n"
+}
+
+write_env_file() {  # what a sweep's shell sources to reach this cluster with P's clients
+    cat > "$DIR/slurm.env" <<EOF
+# written by scripts/cluster.sh: SLURM's clients (sbatch, squeue, sacct, scancel, srun) from $PREFIX for the
+# cluster of $DIR; source it in the sweep's shell (sbatch passes it on to the jobs)
+export PATH="$PREFIX/usr/bin:$PREFIX/usr/sbin:\$PATH"
+export LD_LIBRARY_PATH="$DIR/lib:$SLURM_LIBDIR\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+export SLURM_CONF="$SLURM_CONF_FILE"
+EOF
+}
 
 # name -> the pid file the daemon writes itself (the MLflow server's pid is the one `up` started)
 declare -A PIDFILE=(
@@ -177,11 +321,11 @@ start_mariadb() {
     port_busy "$DB_PORT" && die "port $DB_PORT (MariaDB, SLURM's accounting) is taken by another program"
     install -d -o mysql -g mysql -m 700 "$DIR/mariadb"
     if [ ! -d "$DIR/mariadb/data/mysql" ]; then
-        mariadb-install-db --no-defaults --datadir="$DIR/mariadb/data" --user=mysql --skip-test-db \
+        mariadb-install-db --no-defaults ${PREFIX:+--basedir="$PREFIX/usr"} --datadir="$DIR/mariadb/data" --user=mysql --skip-test-db \
             --auth-root-authentication-method=socket > "$DIR/mariadb/install.log" 2>&1 \
             || die "mariadb-install-db failed (see $DIR/mariadb/install.log)"
     fi
-    setsid mariadbd --no-defaults --user=mysql --datadir="$DIR/mariadb/data" \
+    setsid mariadbd --no-defaults "${MARIADB_OPTS[@]}" --user=mysql --datadir="$DIR/mariadb/data" \
         --socket="$DIR/mariadb/mysqld.sock" --pid-file="${PIDFILE[mariadbd]}" \
         --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
         --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
@@ -261,6 +405,7 @@ GresTypes=gpu
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb $gres State=UNKNOWN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+    [ -z "$PREFIX" ] || sed -i "/^ClusterName=/a PluginDir=$SLURM_LIBDIR" "$SLURM_CONF_FILE"
     (umask 077 && cat > "$DIR/slurm/slurmdbd.conf" <<EOF
 # written by scripts/cluster.sh: SLURM's accounting in MariaDB on 127.0.0.1:$DB_PORT
 AuthType=auth/munge
@@ -280,6 +425,7 @@ StoragePass=$(cat "$DIR/slurm/db.password")
 StorageLoc=slurm_acct_db
 EOF
     )
+    [ -z "$PREFIX" ] || echo "PluginDir=$SLURM_LIBDIR" >> "$DIR/slurm/slurmdbd.conf"
 }
 
 link_etc_slurm_conf() {
@@ -301,7 +447,11 @@ start_slurm() {
     install -d "$DIR/slurm/state" "$DIR/slurm/spool" "$DIR/slurm/log"
     secret "$DIR/slurm/db.password" > /dev/null
     running slurmctld || write_slurm_conf
-    link_etc_slurm_conf
+    if [ -n "$PREFIX" ]; then
+        write_env_file  # /etc is left alone: the clients get SLURM_CONF from DIR/slurm.env
+    else
+        link_etc_slurm_conf
+    fi
     start_mariadb
     provision_mariadb
     if ! running slurmdbd; then
@@ -319,7 +469,8 @@ start_slurm() {
     local new_slurmd=0
     if ! running slurmd; then
         port_busy "$SLURMD_PORT" && die "port $SLURMD_PORT (slurmd) is taken by another program"
-        slurmd -f "$SLURM_CONF_FILE" || die "slurmd failed: $(tail -3 "$DIR/slurm/log/slurmd.log" 2>/dev/null)"
+        # slurmd runs the slurmstepd of its build (/usr/sbin) unless told which: P's
+        slurmd -f "$SLURM_CONF_FILE" ${PREFIX:+-d "$PREFIX/usr/sbin/slurmstepd"} || die "slurmd failed: $(tail -3 "$DIR/slurm/log/slurmd.log" 2>/dev/null)"
         new_slurmd=1
     fi
     wait_for 60 "the SLURM node" node_ready
@@ -476,8 +627,8 @@ still_up() {  # the recorded process; for mlflow also its workers once it is gon
 job_steps() {  # this cluster's job steps: slurmstepd processes that our slurmd started (its SLURM_CONF,
     # inherited; another cluster's slurmd has its own or none)
     local p
-    for p in $(pgrep -x slurmstepd || true); do
-        tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF_FILE" && echo "$p"
+    for p in $(pids_named slurmstepd); do
+        { tr '\0' '\n' < "/proc/$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF_FILE" && echo "$p"
     done
     return 0
 }
@@ -525,6 +676,14 @@ cmd_status() {
     if [ "$n" -eq "${#SERVICES[@]}" ]; then
         sinfo -h -N -o 'cluster: node %N %T, cpus %c, gres %G, partition %P' 2>/dev/null || true
         echo "SLURM_CONF=$SLURM_CONF_FILE"
+        if [ -n "$PREFIX" ]; then
+            say "SLURM's clients are under $PREFIX: in the sweep's shell, . $DIR/slurm.env (PATH, LD_LIBRARY_PATH, SLURM_CONF)"
+        fi
+        if [ -n "$NO_TRACKING" ]; then
+            say "no tracking server (--no-tracking): the runs go into an SQLite file, tracking.uri=sqlite:///$DIR/mlflow.db"
+            echo "MLFLOW_TRACKING_URI=sqlite:///$DIR/mlflow.db"
+            return 0
+        fi
         if credentials_linked; then
             say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS (MLflow's credentials file), which $HOME_CREDENTIALS links to"
         else
@@ -574,17 +733,13 @@ case "$CMD" in
     up)
         need_root
         t0=$SECONDS
-        for b in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch runuser; do
-            command -v "$b" > /dev/null || die "$b is missing: scripts/cluster.sh install"
-        done
-        [ -n "$(pg_bin)" ] || die "PostgreSQL is missing: scripts/cluster.sh install"
-        for u in postgres mysql; do
-            runuser -u "$u" -- test -x "$DIR" \
-                || die "user $u cannot reach $DIR: choose a --dir whose parent directories others may enter"
-        done
+        if [ -n "$PREFIX" ]; then
+            [ -d "$PREFIX" ] || die "no directory $PREFIX: scripts/cluster.sh unpack DEBDIR $PREFIX"
+            PREFIX=$(cd "$PREFIX" && pwd)
+        fi
         any=0; for s in "${SERVICES[@]}"; do running "$s" && any=1; done
         if [ "$any" = 1 ]; then  # up again: the settings it was started with, unless asked otherwise
-            for v in HOST PORT WORKERS PY FAKE_GPUS; do
+            for v in HOST PORT WORKERS PY FAKE_GPUS PREFIX NO_TRACKING PORT_OFFSET; do
                 old=$(saved "$v"); new=${!v}
                 if [ -n "$new" ] && [ "$new" != "$old" ]; then
                     die "the cluster in $DIR is up with $v=${old:-<none>}: scripts/cluster.sh down first to change it"
@@ -592,23 +747,60 @@ case "$CMD" in
                 printf -v "$v" '%s' "$old"
             done
         fi
-        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000} WORKERS=${WORKERS:-4} PY=${PY:-$(command -v python || command -v python3)}
+        apply_settings
+        if [ -n "$PREFIX" ]; then  # every program from P (PATH has P's first), none of the system's
+            for b in munged mariadbd mariadb-install-db mariadb slurmdbd slurmctld slurmd slurmstepd \
+                sbatch srun squeue sacct scancel sinfo scontrol; do
+                [[ "$(command -v "$b")" == "$PREFIX"/* ]] || die "$b is missing under $PREFIX: scripts/cluster.sh unpack DEBDIR $PREFIX"
+            done
+            if ! id -u mysql > /dev/null 2>&1; then  # MariaDB's own user, as its package's postinst makes it
+                useradd --system --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin mysql \
+                    || die "could not create the system user mysql (MariaDB runs as it)"
+                say "created the system user mysql (MariaDB runs as it)"
+            fi
+        fi
+        for b in munged mariadbd mariadb-install-db slurmdbd slurmctld slurmd sbatch runuser; do
+            command -v "$b" > /dev/null || die "$b is missing: scripts/cluster.sh install"
+        done
+        users=(postgres mysql)
+        if [ -n "$NO_TRACKING" ]; then
+            users=(mysql)
+        else
+            [ -n "$(pg_bin)" ] || die "PostgreSQL is missing: scripts/cluster.sh install"
+        fi
+        for u in "${users[@]}"; do
+            runuser -u "$u" -- test -x "$DIR" \
+                || die "user $u cannot reach $DIR: choose a --dir whose parent directories others may enter"
+        done
+        HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000} WORKERS=${WORKERS:-4} PY=${PY:-$(command -v python || command -v python3 || true)}
         PY=$(command -v "$PY" || echo "$PY")
         printf 'HOST=%s\nPORT=%s\nWORKERS=%s\nPY=%s\nFAKE_GPUS=%s\n' "$HOST" "$PORT" "$WORKERS" "$PY" "$FAKE_GPUS" > "$SETTINGS"
+        if [ -n "$PREFIX$NO_TRACKING$PORT_OFFSET" ]; then
+            printf 'PREFIX=%s\nNO_TRACKING=%s\nPORT_OFFSET=%s\n' "$PREFIX" "$NO_TRACKING" "$PORT_OFFSET" >> "$SETTINGS"
+        fi
+        if [ -n "$PREFIX" ] && { [ "$any" = 0 ] || [ ! -d "$DIR/lib" ]; }; then
+            say "SLURM, munge and MariaDB from $PREFIX; $(link_prefix_libs) of its libraries are missing here (linked in $DIR/lib)"
+        fi
         t=$SECONDS; start_munge; start_slurm; t_slurm=$((SECONDS - t))
-        t=$SECONDS; start_postgres; provision_postgres; t_pg=$((SECONDS - t))
-        t=$SECONDS; start_mlflow; t_mlflow=$((SECONDS - t))
-        say "up in $((SECONDS - t0))s (munge+SLURM ${t_slurm}s, PostgreSQL ${t_pg}s, MLflow ${t_mlflow}s); state in $DIR"
+        if [ -n "$NO_TRACKING" ]; then
+            say "up in $((SECONDS - t0))s (munge+SLURM ${t_slurm}s; no PostgreSQL, no MLflow server); state in $DIR"
+        else
+            t=$SECONDS; start_postgres; provision_postgres; t_pg=$((SECONDS - t))
+            t=$SECONDS; start_mlflow; t_mlflow=$((SECONDS - t))
+            say "up in $((SECONDS - t0))s (munge+SLURM ${t_slurm}s, PostgreSQL ${t_pg}s, MLflow ${t_mlflow}s); state in $DIR"
+        fi
         cmd_status | grep -v -E '^cluster: .* running'
         ;;
     status|down|overhead)
         HOST=$(saved HOST) PORT=$(saved PORT)
         HOST=${HOST:-127.0.0.1} PORT=${PORT:-5000}
+        PREFIX=$(saved PREFIX) NO_TRACKING=$(saved NO_TRACKING) PORT_OFFSET=$(saved PORT_OFFSET)
+        apply_settings
         case "$CMD" in
             status) cmd_status ;;
             down) need_root; cmd_down ;;
             overhead) cmd_overhead ;;
         esac
         ;;
-    *) die "unknown command '$CMD' (install, up, status, down, overhead)" ;;
+    *) die "unknown command '$CMD' (install, up, status, down, overhead, fetch, unpack)" ;;
 esac

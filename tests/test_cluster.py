@@ -73,6 +73,9 @@ def cluster():
         (["up", "--port", "50x"], "--port must be a whole number, got '50x'"),
         (["up", "--bogus"], "unknown option '--bogus'"),
         (["sideways"], "unknown command 'sideways'"),
+        (["up", "--port-offset", "1x"], "--port-offset must be a whole number, got '1x'"),
+        (["unpack", "debs"], "usage: scripts/cluster.sh unpack DEBDIR PREFIX"),
+        (["fetch"], "usage: scripts/cluster.sh fetch DEBDIR"),
     ],
 )
 def test_cluster_sh_rejects_bad_arguments_in_one_line(args, message, tmp_path):
