@@ -8,6 +8,9 @@
 #             fwd and fwd+bwd, the all-gather's share, peak memory
 #     one:    experiments.prefill on one GPU at ONE_SEQS (default 131072 262144 524288), NSA and dense cuDNN,
 #             the baseline of the scaling efficiency (a length one GPU cannot hold fails with its message)
+#     slurm:  the SLURM per_gpu launcher from the .deb files carried in .debs (scripts/cluster.sh fetch .debs;
+#             .debs/wheels: submitit, hydra-submitit-launcher, cloudpickle): unpack, up --prefix, the README's
+#             4-job prefill sweep (SLURM_SEQS), down; the daemons' logs into $OUT/slurm_logs.tgz
 set -u
 source scripts/gpu_lib.sh
 STEPS=${STEPS:-parity cp one}
@@ -29,5 +32,18 @@ if has one; then
     CUDA_VISIBLE_DEVICES=0 run 240 one "$PWD" python3 -- -m experiments.prefill "${COMMON[@]}" prefill.per_branch=false \
       prefill.dense_flash=false "prefill.peers=[]" seq="$S"
   done
+fi
+if has slurm; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .debs/wheels/*.whl
+  if scripts/cluster.sh unpack .debs /tmp/slurm >/dev/null && scripts/cluster.sh up --prefix /tmp/slurm --no-tracking --dir /tmp/cl; then
+    # shellcheck disable=SC1091
+    . /tmp/cl/slurm.env
+    run 420 slurm "$PWD" python3 -- -m experiments.prefill -m hydra/launcher=per_gpu hardware="$HW" \
+      model=h200bench backend=triton seq="${SLURM_SEQS:-8192,16384,32768,65536}"
+    grep -h "jobs ran on\|at once" "$OUT/log.txt" | tail -n 2
+    sacct -X --format=JobID,State,Elapsed,AllocTRES%40 | tail -n 6
+  fi
+  scripts/cluster.sh down --dir /tmp/cl
+  tar czf "$OUT/slurm_logs.tgz" -C /tmp/cl slurm/log $(cd /tmp/cl 2>/dev/null && ls mariadb/*.log munge/private/*.log 2>/dev/null)
 fi
 exit 0
