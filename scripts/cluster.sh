@@ -66,10 +66,11 @@ DEBIAN_PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server pos
 # link that a minimal Ubuntu 24.04 may lack (libaio1: Ubuntu's libaio1t64 is libaio.so.1t64). Left out:
 # what every Debian or Ubuntu has (libc6, libgcc-s1, libstdc++6, zlib1g, libpam0g, libsystemd0, libudev1,
 # libpcre2-8-0, libcrypt1, liblz4-1, libgcrypt20, libbz2-1.0, libtinfo6, libmd0, ...), PostgreSQL, and
-# what only plugins this cluster does not load link (lua, dbus: cgroup/v2, pmix, rrd, ...).
+# what only plugins this cluster does not load link (lua, pmix, rrd, ...). libdbus-1-3 stays: slurmd loads
+# the cgroup/v2 plugin, which links it, on a host with the unified cgroup hierarchy (the GPU boxes).
 FETCH_PACKAGES=(munge libmunge2 slurmctld slurmd slurm-client slurmdbd slurm-wlm-basic-plugins
     slurm-wlm-mysql-plugin mariadb-server-core mariadb-client-core libmariadb3
-    libaio1 liburing2 libnuma1 libhwloc15 libreadline8 libedit2 libbsd0 libncurses6 libssl3 libjson-c5 libyaml-0-2)
+    libaio1 liburing2 libnuma1 libhwloc15 libreadline8 libedit2 libbsd0 libncurses6 libssl3 libjson-c5 libyaml-0-2 libdbus-1-3)
 
 die() { echo "cluster: $*" >&2; exit 2; }
 say() { echo "cluster: $*"; }
@@ -406,6 +407,14 @@ NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mb $gres State=UNKN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
     [ -z "$PREFIX" ] || sed -i "/^ClusterName=/a PluginDir=$SLURM_LIBDIR" "$SLURM_CONF_FILE"
+    # slurmd loads a cgroup plugin at start even with proctrack/linuxproc and task/none. On a unified (v2)
+    # hierarchy without systemd as init (containers, the GPU boxes' VMs), cgroup/v2 cannot ask systemd for
+    # its scope over D-Bus: it makes the cgroup itself when told it may.
+    cat > "$DIR/slurm/cgroup.conf" <<EOF
+# written by scripts/cluster.sh
+CgroupPlugin=autodetect
+IgnoreSystemdOnFailure=yes
+EOF
     (umask 077 && cat > "$DIR/slurm/slurmdbd.conf" <<EOF
 # written by scripts/cluster.sh: SLURM's accounting in MariaDB on 127.0.0.1:$DB_PORT
 AuthType=auth/munge
