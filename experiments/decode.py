@@ -94,7 +94,7 @@ def memory_parts(job: Job) -> dict[str, float]:
       their size), phi's input blocks of the compressed tokens the pass completes;
     * ``weights``: the layer's parameters (and GraphDecoder's copy of the projections);
     * ``step``: on the GraphDecoder path the decode kernels' float32 workspaces (``DecodeKernels.__init__``,
-      nsa/backends/triton/decode.py: scores and Eq. 10 sums per group, and per selected-branch program of
+      nsa/backends/triton/decode_attention.py: scores and Eq. 10 sums per group, and per selected-branch program of
       the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
       module path a float32 copy of the compressed cache (the reference's upcast);
     * ``dense``: the dense baseline's keys/values repeated to every query head, only where SDPA has no

@@ -27,7 +27,7 @@ row; ``cache.k_cmp`` / ``v_cmp`` are views of the first Tc rows, so the module's
 working on the same cache). Then the backend's decode
 kernels (``nsa.dispatch``: the backend is chosen per branch like the prefill path, so
 ``dispatch.record()`` says what ran and an unavailable backend raises ``BackendUnavailable``; the
-``triton`` backend's are ``nsa.backends.triton.decode``, each query at its row's position):
+``triton`` backend's are ``nsa.backends.triton.decode_attention``, each query at its row's position):
 split-KV compressed attention, combine + Eq. 9-12 top-n in registers, split-KV selected + window
 attention, combine with gates.
 Finally every position advances by one on the device; the host keeps a mirror (``cache.length``,

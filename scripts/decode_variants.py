@@ -4,7 +4,7 @@
                                       [--variants "four:mode=four;three:mode=three"] [--batch 1] [--out DIR]
 
 For each model (conf/model/<name>.yaml) and context S, random caches and one query at position S-1;
-the attention step of ``nsa.backends.triton.decode.DecodeKernels`` in each ``--variants`` entry
+the attention step of ``nsa.backends.triton.decode_attention.DecodeKernels`` in each ``--variants`` entry
 (``tuning.decode`` overrides, e.g. ``three:mode=three,nsc=4``), and dense SDPA over S keys
 (``experiments.measure.dense_attention``). Each variant is first checked against the first one's output
 (rel-L2) and top-n; then timed as graphs of ``--reps`` steps (CUDA
@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from experiments import measure  # noqa: E402
 from nsa import NSAConfig  # noqa: E402
 from nsa.backends.triton import tuning  # noqa: E402
-from nsa.backends.triton.decode import DecodeKernels  # noqa: E402
+from nsa.backends.triton.decode_attention import DecodeKernels  # noqa: E402
 from nsa.numerics import rel_l2  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

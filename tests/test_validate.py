@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from experiments import measure
 from experiments.framework import config
-from experiments.validation import decode, faults, kernels, report, thresholds
+from experiments.validation import decode_breakdown, faults, kernels, report, thresholds
 from experiments.validation import train as vtrain
 from experiments.validation.core import FAIL, NOT_RUN, PASS, SKIP, Check
 from nsa import dispatch
@@ -187,13 +187,13 @@ def _decode_rows(path: str, t: dict) -> list[dict]:
 
 def test_decode_shares_sum_to_100_with_the_remainder():
     t = {"layer": 0.2, "nsa": 0.04, "cmp": 0.02, "sel": 0.012, "win": 0.01, "dense": 0.03}
-    sh = decode.shares(_decode_rows("graph_decoder", t))
+    sh = decode_breakdown.shares(_decode_rows("graph_decoder", t))
     assert sh["pct"]["cmp"] == pytest.approx(50) and sh["pct"]["remainder"] == pytest.approx(-5)
     assert sum(sh["pct"].values()) == pytest.approx(100) and not sh["sel_derived"]
     # The module path's sel row also scores with the compressed branch: sel alone is the difference.
-    sh = decode.shares(_decode_rows("module", {**t, "sel": 0.032}))
+    sh = decode_breakdown.shares(_decode_rows("module", {**t, "sel": 0.032}))
     assert sh["ms"]["sel"] == pytest.approx(0.012) and sh["sel_derived"]
-    tk = decode.tokens(_decode_rows("module", t), {})
+    tk = decode_breakdown.tokens(_decode_rows("module", t), {})
     assert tk["indices"] == {"cmp": 10.0, "sel": 64.0, "win": 32.0} and tk["kernel"] == {"cmp": None, "sel": None, "win": None}
 
 

@@ -17,7 +17,7 @@ from nsa.decode import GraphDecoder
 
 from .. import measure
 from .core import Check, Context
-from .decode import uses_decoder
+from .decode_breakdown import uses_decoder
 from .report import Table, Text
 
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _pdl_enter
+from .decode_attention import _pdl_enter
 from .utils import p2
 
 PHI_MEAN, PHI_MLP = 1, 2
