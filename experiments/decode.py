@@ -11,7 +11,7 @@ step is the query at position t = seq-1, which attends to seq keys (so the paper
 applies). Rows (column ``variant``):
 
 * ``layer``: the whole NSAAttention step (projections, cache write, compression, attention, output),
-  with branch_force applied through ``measure.ForcedBranch``;
+  with branch_force applied through ``measure.branches.ForcedBranch``;
 * ``nsa``: the attention core, all three branches gated (branch_force=none), or the forced branch;
 * ``cmp``/``sel``/``win``: each branch alone (with branch_force=none and decode.per_branch);
 * ``dense``: torch SDPA decode over seq keys with the same heads and dims;
@@ -26,7 +26,7 @@ ONE CUDA graph, and the time of a replay divided by that number is the step's ti
 One replay costs the host a fixed launch: at B=1 on an H200 a graph holding one decode kernel replayed
 in 9.3 or 14.5 us at random, so one step per graph measured the launch, not the GPU's work.
 ``single_replay_p50_ms`` keeps that figure (one step per graph, one replay). Column ``step_path``:
-``graph_decoder`` (nsa.decode.GraphDecoder) or ``module`` (the module's forward, and measure.core per
+``graph_decoder`` (nsa.decode.GraphDecoder) or ``module`` (the module's forward, and measure.branches.core per
 branch, where the ``sel`` row also runs the compressed scoring that picks its blocks).
 
 Ragged batches (``decode.ragged=true``): sequence b has its own context length L_b, uniform integers in
@@ -34,8 +34,8 @@ Ragged batches (``decode.ragged=true``): sequence b has its own context length L
 ``ragged_min/mean/max_tokens``). The cache is filled as above, then each row's length is set to L_b - 1,
 so the timed step is row b's query at position L_b - 1 over L_b keys: on the GraphDecoder path its kernels
 at each row's position, on the module path the module's forward on the ragged cache (a loop over rows,
-like ``measure.ragged_core`` for the ``nsa`` and per-branch rows). ``dense`` is SDPA over each row's own
-keys under a key mask (``measure.dense_attention_ragged``: it may run another SDPA kernel than the
+like ``measure.branches.ragged_core`` for the ``nsa`` and per-branch rows). ``dense`` is SDPA over each row's own
+keys under a key mask (``measure.dense.dense_attention_ragged``: it may run another SDPA kernel than the
 unmasked uniform one). Token counts are per row at its own length (the decoder's indices through
 ``nsa.decode.tokens_read`` and its kernel counters, row by row; on the module path each row's own
 top-n), averaged over rows like the groups; the formula column is the mean of each row's formula. Rows
@@ -57,8 +57,13 @@ from nsa.backends.triton.utils import p2
 from nsa.decode import GraphDecoder, tokens_read
 from nsa.dispatch import BRANCHES
 
-from . import measure, peers
+from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .measure.branches import ForcedBranch, core, ragged_core, selection_indices
+from .measure.dense import dense_attention, dense_attention_ragged, key_mask
+from .measure.inputs import cache_inputs, fill_cache, fill_per_seq, ragged_inputs
+from .measure.timing import decode_launch_tags, graph_ms, graph_step, quantiles, time_ms
+from .measure.tokens import branch_tokens, formula_tokens, ragged_parts, selected_tokens, variant_tokens
 
 log = logging.getLogger("experiments.decode")
 
@@ -89,17 +94,17 @@ def memory_parts(job: Job) -> dict[str, float]:
 
     * ``cache``: three branches' raw keys/values and the compressed ones (twice on the GraphDecoder path:
       it copies them into a buffer one row longer);
-    * ``fill``: one pass of ``measure.fill_cache`` (``decode.fill_tokens`` tokens over the batch): input,
+    * ``fill``: one pass of ``measure.inputs.fill_cache`` (``decode.fill_tokens`` tokens over the batch): input,
       queries, gates and the six key/value projections, RoPE's float32 temporaries of the queries (four of
       their size), phi's input blocks of the compressed tokens the pass completes;
     * ``weights``: the layer's parameters (and GraphDecoder's copy of the projections);
     * ``step``: on the GraphDecoder path the decode kernels' float32 workspaces (``DecodeKernels.__init__``,
-      nsa/backends/triton/decode.py: scores and Eq. 10 sums per group, and per selected-branch program of
+      nsa/backends/triton/decode_attention.py: scores and Eq. 10 sums per group, and per selected-branch program of
       the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
       module path a float32 copy of the compressed cache (the reference's upcast);
     * ``dense``: the dense baseline's keys/values repeated to every query head, only where SDPA has no
       ``enable_gqa`` (``nsa._compat.sdpa_gqa``; with it SDPA reads the grouped cache in place); with
-      ``decode.ragged`` instead (``measure.dense_attention_ragged``, nothing repeated) the key mask (B*S
+      ``decode.ragged`` instead (``measure.dense.dense_attention_ragged``, nothing repeated) the key mask (B*S
       bools), its additive float form, and the scores and probabilities of the step where SDPA keeps them
       (its math path, float32 or float64: 2*B*HQ*S); the ragged step allocates nothing else beyond the uniform one
       (row views of the same cache, per-row inputs and outputs of one token);
@@ -108,7 +113,7 @@ def memory_parts(job: Job) -> dict[str, float]:
     B, H, HQ, G, kv = d.batch, c.n_kv_heads, c.n_heads, c.G, c.d_k + c.d_v
     acc = 8 if job.dtype == torch.float64 else 4
     Tc = c.n_cmp(S)
-    per = min(measure.fill_per_seq(d.fill_tokens, B), max(S - 1, 1))
+    per = min(fill_per_seq(d.fill_tokens, B), max(S - 1, 1))
     N = B * per  # tokens of one fill pass
     fill = (N * (c.dim + HQ * c.d_k + 3 * HQ + c.gate_hidden + 3 * H * kv) * e
             + 4 * N * HQ * c.d_k * acc
@@ -150,7 +155,7 @@ def work(job: Job) -> Result:
     bw, branch = float(job.profile.peak_hbm_gbps), job.branch
     elem = torch.empty((), dtype=dt).element_size()
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
-    step_layer = layer if branch == "none" else measure.ForcedBranch(layer, branch)
+    step_layer = layer if branch == "none" else ForcedBranch(layer, branch)
     rows, metrics, tags = [], {}, {}
     # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
     # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
@@ -177,17 +182,17 @@ def work(job: Job) -> Result:
         log.info(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
 
     def graph_capture(fn):
-        return measure.graph_step(fn, dev)
+        return graph_step(fn, dev)
 
     def time_step(capture, fn):
         """Quantiles of one call of fn: from graphs of decode.graph_reps calls on CUDA, eager on CPU."""
         if not graphs:
-            return measure.quantiles(measure.time_ms(fn, dev, d.warmup, d.repeats))
-        return measure.graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
+            return quantiles(time_ms(fn, dev, d.warmup, d.repeats))
+        return graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
 
     with torch.no_grad():
         cache = layer.new_cache(B, S, dev, dt)
-        measure.fill_cache(layer, cache, S - 1, d.fill_tokens)  # positions 0 .. S-2
+        fill_cache(layer, cache, S - 1, d.fill_tokens)  # positions 0 .. S-2
         xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
 
         def place(k: int):
@@ -206,7 +211,7 @@ def work(job: Job) -> Result:
         if use_decoder:
             # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
             dec = GraphDecoder(layer, cache)
-            tags.update(measure.decode_launch_tags(dec))
+            tags.update(decode_launch_tags(dec))
             forced = BRANCHES if branch == "none" else (branch,)
             times = {"layer": time_step(lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
         else:
@@ -214,17 +219,17 @@ def work(job: Job) -> Result:
         progress(1, "layer", times["layer"])
         place(1)
         if L is None:
-            inp = measure.cache_inputs(layer, cache, xs)
+            inp = cache_inputs(layer, cache, xs)
             q_all, g_all = inp.q, inp.gates
             # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
             t = torch.tensor(S - 1, device=dev)
-            idx = measure.selection_indices(inp, c, job.plan, job.fallback)
-            parts = measure.branch_tokens(c, t, measure.selected_tokens(idx, c, S - 1))
+            idx = selection_indices(inp, c, job.plan, job.fallback)
+            parts = branch_tokens(c, t, selected_tokens(idx, c, S - 1))
         else:  # each row's query at its own position, over views of its own keys
-            rows_in = measure.ragged_inputs(layer, cache, xs)
+            rows_in = ragged_inputs(layer, cache, xs)
             q_all, g_all = torch.cat([x.q for x in rows_in]), torch.cat([x.gates for x in rows_in])
             if not use_decoder:  # each row's own top-n (the configured cmp backend)
-                parts = measure.ragged_parts(rows_in, c, job.plan, job.fallback)
+                parts = ragged_parts(rows_in, c, job.plan, job.fallback)
         if use_decoder:
             # The decode kernels' own counters must agree with the count from the indices.
             q_d, g_d = q_all[:, 0], g_all[:, 0]
@@ -258,23 +263,23 @@ def work(job: Job) -> Result:
 
             def step(forced=forced):
                 if L is None:
-                    measure.core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
+                    core(forced, inp, c, job.plan, job.fallback, job.cfg.streams)
                 else:
-                    measure.ragged_core(forced, rows_in, c, job.plan, job.fallback, job.cfg.streams)
+                    ragged_core(forced, rows_in, c, job.plan, job.fallback, job.cfg.streams)
 
             times[v] = time_step(graph_capture, step)
             progress(i, v, times[v])
         if L is None:
             qd, kd, vd = inp.q, inp.k_win, inp.v_win
-            times["dense"] = time_step(graph_capture, lambda: measure.dense_attention(qd, kd, vd, causal=False))
+            times["dense"] = time_step(graph_capture, lambda: dense_attention(qd, kd, vd, causal=False))
         else:  # SDPA over each row's own L_b keys: a key mask over the cache
-            mask, kd, vd = measure.key_mask(L, S, dev), cache.k_win[:, :S], cache.v_win[:, :S]
-            times["dense"] = time_step(graph_capture, lambda: measure.dense_attention_ragged(q_all, kd, vd, mask))
+            mask, kd, vd = key_mask(L, S, dev), cache.k_win[:, :S], cache.v_win[:, :S]
+            times["dense"] = time_step(graph_capture, lambda: dense_attention_ragged(q_all, kd, vd, mask))
         progress(len(timed), "dense", times["dense"])
         peer = peers.rows(d.peers, inp, c, dev, tags) if L is None else {}
         for v, p in peer.items():
             timed.append(v)
-            times[v] = measure.quantiles(measure.time_ms(measure.graph_step(p.fn, dev) if graphs else p.fn, dev,
+            times[v] = quantiles(time_ms(graph_step(p.fn, dev) if graphs else p.fn, dev,
                                                          d.warmup, d.repeats))
             progress(len(timed), v, times[v])
 
@@ -288,11 +293,11 @@ def work(job: Job) -> Result:
             formula = per_seq(lambda n: n)
         elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
             tok = S + sum(parts[b] for b in peer[v].branches).cpu()
-            formula = measure.formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
+            formula = formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
         else:
             what = branch if v in ("layer", "nsa") else v
-            tok = measure.variant_tokens(what, parts).cpu()
-            formula = per_seq(lambda n, what=what: measure.formula_tokens(what, c, n))
+            tok = variant_tokens(what, parts).cpu()
+            formula = per_seq(lambda n, what=what: formula_tokens(what, c, n))
             if use_decoder and v == "sel":
                 # The decoder's sel kernel alone reuses the step's top-n: it reads the selected tokens only.
                 tok, formula = parts["sel"].cpu(), per_seq(lambda n: min(c.n_sel * c.l_sel, n))

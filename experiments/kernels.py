@@ -10,7 +10,8 @@ gate variants), ``decode`` (the decode step's kernels, each alone). Shapes: the 
 (``model=h200bench`` unless given), ``seq`` tokens, ``kernels.batch`` sequences; dtype from the hardware
 profile. Before timing, each op runs its kernel at ``min(seq, kernels.check_seq)`` tokens against the
 reference (float64 on a CPU, float32 on a GPU; outputs NaN-poisoned): a difference over ``kernels.tol``
-fails the job (its figures logged). What each op times: ``experiments/ops/<op>.py``.
+fails the job (its figures logged). What each op times: ``experiments/ops/<op>.py``
+(``op=decode``: ``experiments/ops/decode_step.py``).
 
 Launch parameters: ``tuning.<op>.<key>=<value>`` (the keys of ``nsa.backends.triton.tuning.KEYS``;
 validated before anything starts, one line and exit 2 otherwise), applied with ``tuning.overrides``

@@ -27,7 +27,7 @@ import torch
 
 from nsa import NSAConfig
 
-from .measure import CoreInputs
+from .measure.inputs import CoreInputs
 
 log = logging.getLogger("experiments.peers")
 

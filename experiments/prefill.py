@@ -4,7 +4,7 @@
     python -m experiments.prefill hardware=h200 model=h200bench backend=triton -m seq_len=paper
 
 Queries, keys, values and gates come from an NSAAttention layer on random input (the compression
-phi included), then detached: the timed work is attention only (``measure.core``), like the
+phi included), then detached: the timed work is attention only (``measure.branches.core``), like the
 dense baseline (SDPA, is_causal=True, grouped heads). Rows: ``nsa`` (all branches, or the forced one),
 ``cmp``/``sel``/``win`` alone (branch_force=none and prefill.per_branch), ``dense`` (SDPA picks its
 kernel), on CUDA with prefill.dense_flash ``dense_flash`` (SDPA forced to FlashAttention-2), and the
@@ -29,8 +29,13 @@ from omegaconf import DictConfig
 
 from nsa import NSAAttention
 
-from . import measure, peers
+from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .measure.branches import core, selection_indices
+from .measure.dense import dense_attention
+from .measure.inputs import prefill_inputs
+from .measure.timing import profile_table, quantiles, time_ms
+from .measure.tokens import branch_tokens, selected_tokens, variant_tokens
 
 BWD_FACTOR = 3.5
 log = logging.getLogger("experiments.prefill")
@@ -97,9 +102,9 @@ def cp_work(job: Job) -> Result:
         torch.cuda.reset_peak_memory_stats()
     dist.barrier(group=g.group)
     with torch.no_grad():
-        tq = {f"fwd_{k}": v for k, v in measure.quantiles(measure.time_ms(run, dev, p.warmup, p.repeats)).items()}
+        tq = {f"fwd_{k}": v for k, v in quantiles(time_ms(run, dev, p.warmup, p.repeats)).items()}
         tq.update({f"allgather_{k}": v for k, v in
-                   measure.quantiles(measure.time_ms(gather, dev, p.warmup, p.repeats)).items()})
+                   quantiles(time_ms(gather, dev, p.warmup, p.repeats)).items()})
     if p.backward:
         dout = torch.randn_like(run().detach())
         params = list(layer.parameters())
@@ -110,7 +115,7 @@ def cp_work(job: Job) -> Result:
             run().backward(dout)
 
         tq.update({f"fwd_bwd_{k}": v for k, v in
-                   measure.quantiles(measure.time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+                   quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
     if dev.type == "cuda":
         tq["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     log.info(f"[prefill] seq={S} rank {g.rank}/{g.world}: fwd p50 {tq['fwd_p50_ms']:.3f} ms, all-gather p50 "
@@ -146,13 +151,13 @@ def work(job: Job) -> Result:
     B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
     with torch.no_grad():
-        inp = measure.prefill_inputs(layer, torch.randn(B, S, c.dim, device=dev, dtype=dt))
+        inp = prefill_inputs(layer, torch.randn(B, S, c.dim, device=dev, dtype=dt))
     for name, t in inp.tensors().items():
         setattr(inp, name, t.detach().requires_grad_(True))
     with torch.no_grad():
-        idx = measure.selection_indices(inp, c, job.plan, job.fallback)
+        idx = selection_indices(inp, c, job.plan, job.fallback)
     t_pos = torch.arange(S, device=dev)[None, :, None]
-    parts = measure.branch_tokens(c, t_pos, measure.selected_tokens(idx, c, 0))
+    parts = branch_tokens(c, t_pos, selected_tokens(idx, c, 0))
     dense, tags = dense_variants(p.dense_flash, c, dev.type)
     for note in tags.values():
         log.info(f"[prefill] seq={S}: {note}")
@@ -162,16 +167,16 @@ def work(job: Job) -> Result:
 
     def run(v):
         if v in ("dense", "dense_flash"):
-            return measure.dense_attention(inp.q, inp.k_win, inp.v_win, causal=True,
+            return dense_attention(inp.q, inp.k_win, inp.v_win, causal=True,
                                            kernel="flash" if v == "dense_flash" else "auto")
         if v in peer:
             return peer[v].fn()
-        return measure.core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
+        return core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
 
     times, rows, texts = {}, [], {}
     for i, v in enumerate(timed, 1):
         with torch.no_grad():
-            fwd = measure.quantiles(measure.time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
+            fwd = quantiles(time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
         tq = {f"fwd_{k}": x for k, x in fwd.items()}
         if p.backward:
             dout = torch.randn_like(run(v).detach())
@@ -182,13 +187,13 @@ def work(job: Job) -> Result:
                 run(v).backward(dout)
 
             tq.update({f"fwd_bwd_{k}": x for k, x in
-                       measure.quantiles(measure.time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+                       quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
         times[v] = tq
         if p.profile and v not in dense:
             with torch.no_grad():
-                texts[f"profile/{v}_fwd.txt"] = measure.profile_table(lambda v=v: run(v), dev)
+                texts[f"profile/{v}_fwd.txt"] = profile_table(lambda v=v: run(v), dev)
             if p.backward:
-                texts[f"profile/{v}_fwd_bwd.txt"] = measure.profile_table(fwd_bwd, dev)
+                texts[f"profile/{v}_fwd_bwd.txt"] = profile_table(fwd_bwd, dev)
         log.info(f"[prefill] seq={S} [{i}/{len(timed)}] {v}: fwd p50 {tq['fwd_p50_ms']:.3f} ms"
                    + (f", fwd+bwd p50 {tq['fwd_bwd_p50_ms']:.3f} ms" if p.backward else ""))
 
@@ -199,7 +204,7 @@ def work(job: Job) -> Result:
         elif v in peer:
             tok = sum(parts[b] for b in peer[v].branches)
         else:
-            tok = measure.variant_tokens(branch if v == "nsa" else v, parts)
+            tok = variant_tokens(branch if v == "nsa" else v, parts)
         flop = 2.0 * (c.d_k + c.d_v) * c.G * float(tok.sum())
         q = times[v]
         row = {"seq_tokens": S, "batch_seqs": B, "variant": v, "branch_force": branch, "query_heads_per_group_G": c.G,

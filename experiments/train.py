@@ -33,7 +33,8 @@ from omegaconf import DictConfig
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
 from .framework.config import one_line
 from .lm import checkpoint
-from .lm.loop import RunConfig, parameter_counts, resumable, train
+from .lm.config import RunConfig
+from .lm.loop import parameter_counts, resumable, train
 
 log = logging.getLogger("experiments.train")
 # The parent run's curves (one line per job) and its chart's panels.

@@ -27,7 +27,7 @@ row; ``cache.k_cmp`` / ``v_cmp`` are views of the first Tc rows, so the module's
 working on the same cache). Then the backend's decode
 kernels (``nsa.dispatch``: the backend is chosen per branch like the prefill path, so
 ``dispatch.record()`` says what ran and an unavailable backend raises ``BackendUnavailable``; the
-``triton`` backend's are ``nsa.backends.triton.decode``, each query at its row's position):
+``triton`` backend's are ``nsa.backends.triton.decode_attention``, each query at its row's position):
 split-KV compressed attention, combine + Eq. 9-12 top-n in registers, split-KV selected + window
 attention, combine with gates.
 Finally every position advances by one on the device; the host keeps a mirror (``cache.length``,
@@ -61,6 +61,14 @@ def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:
 
     A ragged batch: ``S`` per sequence (a ``[B]`` sequence or tensor, e.g. ``cache.lengths`` after
     the step); ``formula`` is then a ``[B]`` int64 tensor.
+
+    Arguments:
+        config: the layer's :class:`NSAConfig`.
+        S: keys in the cache (the query at t = S - 1): an int, or (B,) ints for a ragged batch.
+        indices: (B, H, n_sel) or (B, 1, H, n_sel) selected blocks, -1 for none (``GraphDecoder.indices()``).
+    Returns:
+        counts: ``{"cmp", "sel", "win", "read", "distinct"}``: (B, H) int64 each; ``"formula"``: an int,
+            or (B,) int64 for a ragged batch.
     """
     if indices.dim() == 4:
         indices = indices[:, -1]
@@ -100,6 +108,13 @@ class GraphDecoder:
     construction (``refresh_weights()`` after changing them). ``cache.length`` (``cache.lengths``
     for a ragged cache) stays the host mirror of the device positions ``_pos`` ``[B]`` int64.
     ``last`` holds the q ``[B,HQ,Dk]`` and gates ``[B,HQ,3]`` of the last step.
+
+    Arguments:
+        module: the layer whose steps this decoder runs (its weights copied now).
+        cache: the layer's cache, (B rows, max_len positions), on a CUDA device for the triton kernels;
+            the decoder takes it over (its compressed buffers get one scratch row).
+        backend: one backend name for the three branches (or ``{branch: name}`` naming one backend).
+        n_sm: multiprocessors the split-KV grids are sized for; None: the device's.
     """
 
     def __init__(self, module: NSAAttention, cache: NSACache, *, backend="triton", n_sm: int | None = None):
@@ -176,9 +191,16 @@ class GraphDecoder:
 
     @torch.no_grad()
     def prefill(self, x: torch.Tensor, *, cu_seqlens=None) -> torch.Tensor:
-        """Append ``x [B,T,dim]`` through the module's own cached forward (prefill or a chunk), or,
-        with ``cu_seqlens``, fill an empty cache with packed prompts (``x [1,N,dim]``, one document
-        per row: a ragged cache, each row at its own length)."""
+        """Append ``x`` through the module's own cached forward (prefill or a chunk), or, with
+        ``cu_seqlens``, fill an empty cache with packed prompts (one document per row: a ragged cache,
+        each row at its own length).
+
+        Arguments:
+            x: (B, T, dim); packed: (1, N, dim).
+            cu_seqlens: int32 (B + 1,) document boundaries of the packed prompts, or None.
+        Returns:
+            y: the layer's output, shaped as x.
+        """
         if self._moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")
         y = self.module(x, self.cache, cu_seqlens=cu_seqlens)
@@ -234,7 +256,16 @@ class GraphDecoder:
         ``combine=False`` skips the gated sum (timing); ``count=True`` fills :meth:`token_counts`. The
         selected branch reads the blocks the last cmp branch chose. Timing the parts
         (``experiments.kernels op=decode``): ``branches=(), combine_branches=BRANCHES`` runs the
-        combine alone; ``topk=False`` the compressed pass without its top-n."""
+        combine alone; ``topk=False`` the compressed pass without its top-n.
+
+        Arguments:
+            q: (B, HQ, Dk) queries, RoPE applied (``last["q"]`` of a step).
+            gates: (B, HQ, 3) gates in the order (cmp, sel, win).
+            position: an int for every row, or (B,) ints; None: the decoder's positions.
+            branches: the branches to run, a subset of ``("cmp", "sel", "win")``.
+        Returns:
+            o: (B, HQ, Dv), a workspace overwritten by the next call.
+        """
         if position is not None:
             if isinstance(position, int):
                 self._pos.fill_(position)
@@ -273,9 +304,15 @@ class GraphDecoder:
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, *, branches=BRANCHES, count: bool = False) -> torch.Tensor:
-        """Eager decode step: ``x [B,1,dim] -> y [B,1,dim]`` (a new tensor). ``branches`` other than
-        all three gives the forced-branch output (sum of the chosen gated branches); ``count``
-        fills :meth:`token_counts`."""
+        """Eager decode step at each row's position; the positions advance by one.
+
+        Arguments:
+            x: (B, 1, dim), the new token of every row.
+            branches: all three (the layer's output), or a subset: the sum of those gated branches.
+            count: fill :meth:`token_counts`.
+        Returns:
+            y: (B, 1, dim), a new tensor.
+        """
         if x.shape != (self.B, 1, self.config.dim):
             raise ValueError(f"x: expected [{self.B},1,{self.config.dim}], got {tuple(x.shape)}")
         self._check_room()
@@ -285,8 +322,13 @@ class GraphDecoder:
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """A chunk ``x [B,T,dim]`` as T single steps (replays of the captured graph when there
-        is one, else eager steps) -> ``[B,T,dim]``."""
+        """A chunk as T single steps (replays of the captured graph when there is one, else eager steps).
+
+        Arguments:
+            x: (B, T, dim).
+        Returns:
+            y: (B, T, dim).
+        """
         ys = []
         for i in range(x.shape[1]):
             xt = x[:, i:i + 1]
@@ -349,7 +391,13 @@ class GraphDecoder:
 
     @torch.no_grad()
     def replay(self, x: torch.Tensor | None = None) -> torch.Tensor:
-        """One captured step; ``x`` is copied into the static input. Returns the static output."""
+        """One captured step (:meth:`capture`).
+
+        Arguments:
+            x: (B, 1, dim), copied into the static input; None: the static input as it is.
+        Returns:
+            y: (B, 1, dim), the static output (overwritten by the next replay).
+        """
         if self._graph is None:
             raise RuntimeError("capture() first")
         if self._graph_advances:

@@ -93,7 +93,7 @@ class Backend:
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
         """The kernels of one fused decode step for ``B`` sequences and caches of ``max_len`` tokens
-        (an object with ``attend``, see ``nsa.backends.triton.decode.DecodeKernels``), or None where
+        (an object with ``attend``, see ``nsa.backends.triton.decode_attention.DecodeKernels``), or None where
         this backend has none (the base class)."""
         return None
 

@@ -123,18 +123,38 @@ def _scale(q, scale):
 
 
 def compress(x: torch.Tensor, config: NSAConfig, phi=None, *, cu_seqlens=None) -> torch.Tensor:
-    """Compression (paper Eq. 7): ``[B,T,H,D]`` -> ``[B,Tc,H,D]``; ``phi`` maps ``[B,Tc,H,l,D]``
-    blocks to ``[B,Tc,H,D]`` (None: mean pooling). ``cu_seqlens``: each document compressed alone,
-    ``[1,N,H,D]`` -> ``[1, sum_i n_cmp(L_i), H, D]`` in document order."""
+    """Compression (paper Eq. 7): every block of l tokens at stride d becomes one compressed token.
+
+    Arguments:
+        x: (B, T, H, D) raw keys or values of the compressed branch.
+        config: the layer's :class:`NSAConfig` (l, d).
+        phi: callable (B, Tc, H, l, D) -> (B, Tc, H, D), e.g. ``PhiMLP``; None: mean pooling.
+        cu_seqlens: packed documents, int32 (n_docs + 1,) or a ``Varlen``: x is (1, N, H, D) and each
+            document is compressed alone.
+    Returns:
+        x_cmp: (B, Tc, H, D), Tc = 0 if T < l else (T - l) // d + 1; packed: (1, sum_i n_cmp(L_i), H, D) in
+            document order.
+    """
     _check_4d("x", x)
     return reference.compress(x, config, phi, _packed(cu_seqlens, "x", x))
 
 
 def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start: int = 0, cu_seqlens=None):
-    """Compressed branch (spec step 1, paper Eq. 5 over Eq. 7's tokens).
+    """Compressed branch (spec step 1, paper Eq. 5 over Eq. 7's tokens): compressed token i is visible to
+    the query at position t iff i*d + l - 1 <= t.
 
-    Returns ``(o_cmp [B,Tq,HQ,Dv], p_cmp [B,Tq,HQ,Tc])``; token i visible to t iff i*d+l-1 <= t.
-    Packed documents: p_cmp's columns are all packed compressed tokens, zero outside the row's document.
+    Arguments:
+        q: (B, Tq, HQ, Dk), queries at positions q_start .. q_start + Tq - 1.
+        k_cmp: (B, Tc, H, Dk) compressed keys (:func:`compress`); HQ a multiple of H.
+        v_cmp: (B, Tc, H, Dv) compressed values.
+        config: the layer's :class:`NSAConfig`.
+        scale: softmax scale; None: 1 / sqrt(Dk).
+        q_start: absolute position of the first query (decode, chunked prefill).
+        cu_seqlens: packed documents (module docstring); B = 1, q_start = 0.
+    Returns:
+        o_cmp: (B, Tq, HQ, Dv).
+        p_cmp: (B, Tq, HQ, Tc) attention probabilities; packed: the columns are all packed compressed
+            tokens, zero outside the row's document.
     """
     _check_q(q, config)
     _check_q_start(q_start)
@@ -147,8 +167,16 @@ def compressed_attention(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_st
 
 
 def selection_scores(p_cmp, config: NSAConfig, n_blocks: int, *, cu_seqlens=None):
-    """Eqs. 9-10 (block-aligned Eq. 9, group sum Eq. 10): ``[B,Tq,HQ,Tc]`` -> ``[B,Tq,H,n_blocks]``
-    (packed documents: blocks counted from each document's start)."""
+    """Selection scores (Eq. 9 block-aligned, Eq. 10 summed over the G query heads of a group).
+
+    Arguments:
+        p_cmp: (B, Tq, HQ, Tc) compressed probabilities (:func:`compressed_attention`).
+        config: the layer's :class:`NSAConfig`.
+        n_blocks: selection blocks to score, ceil(S / l_sel) for S keys.
+        cu_seqlens: packed documents; blocks counted from each document's start.
+    Returns:
+        scores: (B, Tq, H, n_blocks).
+    """
     _check_4d("p_cmp", p_cmp)
     if p_cmp.shape[2] != config.n_heads:
         _fail(f"p_cmp: expected {config.n_heads} heads (n_heads), got shape {tuple(p_cmp.shape)}")
@@ -160,9 +188,18 @@ def selection_scores(p_cmp, config: NSAConfig, n_blocks: int, *, cu_seqlens=None
 
 
 def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=None):
-    """Top-n with forcing (Eqs. 11-12): ``[B,Tq,H,nb]`` -> indices ``[B,Tq,H,k]`` ascending, -1 padded, with
-    k = ``config.sel_count(nb)`` (n_sel, bounded by the nb blocks; packed documents: positions and blocks
-    counted from each document's start)."""
+    """Top-n with forcing (Eqs. 11-12): the initial and local blocks are always taken, ties go to the
+    lower index.
+
+    Arguments:
+        scores: (B, Tq, H, nb) selection scores (:func:`selection_scores`).
+        config: the layer's :class:`NSAConfig`.
+        q_start: absolute position of the first query.
+        cu_seqlens: packed documents; positions and blocks counted from each document's start.
+    Returns:
+        indices: (B, Tq, H, k) int64 block numbers, ascending, -1 padded; k = ``config.sel_count(nb)``
+            (n_sel, bounded by the nb blocks).
+    """
     _check_4d("scores", scores)
     _check_q_start(q_start)
     if scores.shape[2] != config.n_kv_heads:
@@ -217,9 +254,22 @@ def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None =
 
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
                        backend: str = "reference", cu_seqlens=None):
-    """Selected branch (spec step 5): attention over tokens u <= t of the selected blocks.
-    ``indices [B,Tq,H,k]`` (k <= n_sel): block numbers in [0, ceil(S / l_sel)), -1 for none (checked: a
-    ValueError names a value out of range); packed documents: counted from the row's document start."""
+    """Selected branch (spec step 5): attention over the tokens u <= t of the selected blocks.
+
+    Arguments:
+        q: (B, Tq, HQ, Dk), queries at positions q_start .. q_start + Tq - 1.
+        k_sel: (B, S, H, Dk) raw keys of the selected branch, S = q_start + Tq.
+        v_sel: (B, S, H, Dv).
+        indices: (B, Tq, H, k) int32/int64, k <= n_sel: block numbers in [0, ceil(S / l_sel)), -1 for none
+            (checked: a ValueError names a value out of range); packed: counted from the row's document start.
+        config: the layer's :class:`NSAConfig`.
+        scale: softmax scale; None: 1 / sqrt(Dk).
+        q_start: absolute position of the first query.
+        backend: the backend's name (``nsa.dispatch``).
+        cu_seqlens: packed documents (module docstring).
+    Returns:
+        o_sel: (B, Tq, HQ, Dv).
+    """
     _check_q(q, config)
     _check_q_start(q_start)
     docs = _packed(cu_seqlens, "q", q, q_start)
@@ -232,8 +282,20 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
 
 def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, q_start: int = 0,
                              backend: str = "reference", cu_seqlens=None):
-    """Sliding branch (spec step 6): attention over u in [max(0, t-w+1), t] (packed documents: u and t
-    in the row's document)."""
+    """Sliding branch (spec step 6): attention over the keys u in [max(0, t-w+1), t].
+
+    Arguments:
+        q: (B, Tq, HQ, Dk), queries at positions q_start .. q_start + Tq - 1.
+        k_win: (B, S, H, Dk) raw keys of the sliding branch, S = q_start + Tq.
+        v_win: (B, S, H, Dv).
+        config: the layer's :class:`NSAConfig` (w).
+        scale: softmax scale; None: 1 / sqrt(Dk).
+        q_start: absolute position of the first query.
+        backend: the backend's name (``nsa.dispatch``).
+        cu_seqlens: packed documents (module docstring); u and t in the row's document.
+    Returns:
+        o_win: (B, Tq, HQ, Dv).
+    """
     _check_q(q, config)
     _check_q_start(q_start)
     docs = _packed(cu_seqlens, "q", q, q_start)
@@ -270,10 +332,30 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     stream too. The result is the same either way. Without a gradient (prefill, inference), the
     selected branch's backend may compute the gated sum in its own epilogue (the triton backend does:
     o_sel is then summed in float32 before rounding, so bf16 outputs differ from the path with a
-    gradient by rounding only). ``cu_seqlens``: packed documents (module docstring), prefill only.
-    Returns ``o [B,Tq,HQ,Dv]`` or ``(o, indices [B,Tq,H,k])``, k = ``config.sel_count(ceil(S / l_sel))``
-    (n_sel bounded by the blocks of the S keys, packed: of the longest document; a larger n_sel selects
-    every block, at the cost of the blocks that exist).
+    gradient by rounding only).
+
+    Arguments:
+        q: (B, Tq, HQ, Dk), queries at positions q_start .. q_start + Tq - 1; HQ a multiple of H.
+        k_cmp: (B, Tc, H, Dk) compressed keys (:func:`compress`), Tc = n_cmp(S).
+        v_cmp: (B, Tc, H, Dv) compressed values.
+        k_sel: (B, S, H, Dk) raw keys of the selected branch, S = q_start + Tq.
+        v_sel: (B, S, H, Dv).
+        k_win: (B, S, H, Dk) raw keys of the sliding branch.
+        v_win: (B, S, H, Dv).
+        gates: (B, Tq, HQ, 3) per-query gates in the order (cmp, sel, win).
+        config: the layer's :class:`NSAConfig`.
+        scale: softmax scale; None: 1 / sqrt(Dk).
+        backend: a backend name, or ``{"cmp": .., "sel": .., "win": ..}``.
+        return_indices: also return the selected blocks.
+        q_start: absolute position of the first query (decode, chunked prefill).
+        fallback: the backend to use where the chosen one cannot run (warned and recorded); None: raise.
+        streams: run the sliding branch on a second CUDA stream (above).
+        cu_seqlens: packed documents (module docstring), prefill only: B = 1, q_start = 0.
+    Returns:
+        o: (B, Tq, HQ, Dv).
+        indices: (B, Tq, H, k), only with ``return_indices``: the selected blocks, ascending, -1 padded;
+            k = ``config.sel_count(ceil(S / l_sel))`` (n_sel bounded by the blocks of the S keys, packed: of
+            the longest document; a larger n_sel selects every block, at the cost of the blocks that exist).
 
     ``torch.compile(fullgraph=True)`` traces this function (reference and triton backends, forward and backward;
     not with ``cu_seqlens``): the shape checks run when it is traced, the branches on one stream, and
@@ -316,7 +398,17 @@ def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: N
     started when the compressed attention and scoring kernel is done (``on_scored``), so that it runs
     beside the top-n and the selected branch instead of taking SMs from the compressed kernel.
     ``fuse_gate``: the selected branch's backend computes Eq. 5 itself (``selected_gated``, forward
-    only); None: when no gradient is needed. ``varlen``: the packed documents (a :class:`nsa.varlen.Varlen`)."""
+    only); None: when no gradient is needed. ``varlen``: the packed documents (a :class:`nsa.varlen.Varlen`).
+
+    Arguments:
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: as :func:`nsa_attention`'s, checked.
+        backends: ``{"cmp", "sel", "win"}`` -> the chosen ``nsa.dispatch`` Backend of each branch.
+        scale: the softmax scale (a float).
+        indices: None, or (B, Tq, H, k) blocks the selected branch reads instead of the top-n's.
+    Returns:
+        o: (B, Tq, HQ, Dv).
+        indices: (B, Tq, H, k), the compressed branch's top-n.
+    """
     S = k_sel.shape[1]
     dev = q.device
     be_cmp, be_sel, be_win = backends["cmp"], backends["sel"], backends["win"]

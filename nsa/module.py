@@ -286,6 +286,21 @@ class NSAAttention(nn.Module):
                         max_len=max_len)
 
     def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None, cp_group=None) -> torch.Tensor:
+        """The layer's output for the tokens x (the class docstring says where they sit).
+
+        Arguments:
+            x: (B, T, dim) in the parameters' dtype (or under ``torch.autocast``); with ``cu_seqlens``
+                (1, N, dim), documents packed along N.
+            cache: None (a whole sequence at positions 0..T-1), or the :class:`NSACache` of
+                :meth:`new_cache` the tokens are appended to (at ``cache.length``, or per row at
+                ``cache.lengths[b]`` for a ragged cache); updated in place.
+            cu_seqlens: int32 (n_docs + 1,) document boundaries (or a :class:`nsa.varlen.Varlen`); with a cache,
+                an empty one with a row per document.
+            cp_group: a ``torch.distributed`` group: x is this rank's part of one sequence (no cache, no
+                cu_seqlens).
+        Returns:
+            y: (B, T, dim); packed: (1, N, dim); context parallel: this rank's part.
+        """
         c = self.config
         if x.dim() != 3 or x.shape[-1] != c.dim:
             raise ValueError(f"x: expected [B,T,{c.dim}] (dim), got {tuple(x.shape)}")

@@ -30,6 +30,16 @@ class Varlen:
 
     Host-side: ``lens`` / ``starts`` (tuples of ints), ``total`` (N), ``max_len``. Device tensors and the
     triton backend's tile tables are made on first use and kept (one object per batch, shared by layers).
+
+    Arguments:
+        cu_seqlens: (n_docs + 1,) int32, non-decreasing token offsets, 0 first and N last (empty documents
+            allowed); on any device (a CUDA tensor costs one host sync, here only).
+    Attributes:
+        cu_seqlens: the same offsets, contiguous.
+        starts: (n_docs,) ints, each document's first token in the packed axis.
+        lens: (n_docs,) ints, the documents' lengths L_i.
+        total: N, the packed tokens.
+        max_len: the longest document's length.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor):
@@ -175,7 +185,13 @@ def _tiles(counts, starts, block, lo, hi, work) -> torch.Tensor:
 
 
 def as_varlen(cu_seqlens) -> Varlen | None:
-    """None, a Varlen (as it is) or a cu_seqlens tensor (checked)."""
+    """The packed documents of a ``cu_seqlens`` argument.
+
+    Arguments:
+        cu_seqlens: None, a :class:`Varlen`, or an int32 (n_docs + 1,) tensor of offsets.
+    Returns:
+        docs: None for None, the Varlen as it is, or a new Varlen (checked).
+    """
     if cu_seqlens is None or isinstance(cu_seqlens, Varlen):
         return cu_seqlens
     return Varlen(cu_seqlens)

@@ -26,7 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from decode_variants import kernel_times, model  # noqa: E402
 
-from experiments import measure  # noqa: E402
+from experiments.measure.dense import dense_attention  # noqa: E402
+from experiments.measure.timing import graph_ms, graph_step  # noqa: E402
 from nsa import NSAAttention  # noqa: E402
 from nsa.backends.triton import tuning  # noqa: E402
 from nsa.decode import GraphDecoder  # noqa: E402
@@ -36,7 +37,7 @@ CACHES = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win")
 
 
 def graph_us(capture, fn, dev, reps, repeats) -> float:
-    return measure.graph_ms(capture, fn, dev, 5, repeats, reps)["p50_ms"] * 1e3
+    return graph_ms(capture, fn, dev, 5, repeats, reps)["p50_ms"] * 1e3
 
 
 def variant(layer, c, B, S, x, v, a, dev, dt):
@@ -109,11 +110,11 @@ def main() -> None:
                            ("k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")], 0)
             x2, o = x.reshape(B, c.dim), torch.randn(B, c.n_heads * c.d_v, device=dev, dtype=dt)
             gemms = lambda x2=x2, wq=wq, o=o, m=layer: (x2 @ wq.t(), m.o_proj(o))  # noqa: E731
-            gemm = graph_us(lambda f: measure.graph_step(f, dev), gemms, dev, a.reps, a.repeats)
+            gemm = graph_us(lambda f: graph_step(f, dev), gemms, dev, a.reps, a.repeats)
             kd = torch.randn(B, S, c.n_kv_heads, c.d_k, device=dev, dtype=dt)
             qd = torch.randn(B, 1, c.n_heads, c.d_k, device=dev, dtype=dt)
-            sdpa = lambda qd=qd, kd=kd: measure.dense_attention(qd, kd, kd, causal=False)  # noqa: E731
-            dense = graph_us(lambda f: measure.graph_step(f, dev), sdpa, dev, a.reps, a.repeats)
+            sdpa = lambda qd=qd, kd=kd: dense_attention(qd, kd, kd, causal=False)  # noqa: E731
+            dense = graph_us(lambda f: graph_step(f, dev), sdpa, dev, a.reps, a.repeats)
             ok = {v: r for v, r in res.items() if "us" in r}
             line = "  ".join(f"{v} {r['us']['emit']:7.2f}/{r['us']['plain']:7.2f}" for v, r in ok.items())
             att = ok.get("triton", ok.get("torch", {})).get("attend_us", float("nan"))

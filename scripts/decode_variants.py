@@ -4,9 +4,9 @@
                                       [--variants "four:mode=four;three:mode=three"] [--batch 1] [--out DIR]
 
 For each model (conf/model/<name>.yaml) and context S, random caches and one query at position S-1;
-the attention step of ``nsa.backends.triton.decode.DecodeKernels`` in each ``--variants`` entry
+the attention step of ``nsa.backends.triton.decode_attention.DecodeKernels`` in each ``--variants`` entry
 (``tuning.decode`` overrides, e.g. ``three:mode=three,nsc=4``), and dense SDPA over S keys
-(``experiments.measure.dense_attention``). Each variant is first checked against the first one's output
+(``experiments.measure.dense.dense_attention``). Each variant is first checked against the first one's output
 (rel-L2) and top-n; then timed as graphs of ``--reps`` steps (CUDA
 events, median of ``--repeats`` replays, divided by reps), as ``experiments.decode`` times them.
 Prints a table per model and writes ``decode_variants.json`` under ``--out``. Needs CUDA.
@@ -23,10 +23,11 @@ import yaml
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from experiments import measure  # noqa: E402
+from experiments.measure.dense import dense_attention  # noqa: E402
+from experiments.measure.timing import graph_step, quantiles, repeated, time_ms  # noqa: E402
 from nsa import NSAConfig  # noqa: E402
 from nsa.backends.triton import tuning  # noqa: E402
-from nsa.backends.triton.decode import DecodeKernels  # noqa: E402
+from nsa.backends.triton.decode_attention import DecodeKernels  # noqa: E402
 from nsa.numerics import rel_l2  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,8 +103,8 @@ def main() -> None:
                     ref_o, ref_i = o, k.indices.clone()
                 err = rel_l2(o, ref_o)
                 mism = float((k.indices != ref_i).float().mean())
-                ms = measure.quantiles([t / a.reps for t in measure.time_ms(
-                    measure.graph_step(measure.repeated(fn, a.reps), dev), dev, 5, a.repeats)])["p50_ms"]
+                ms = quantiles([t / a.reps for t in time_ms(
+                    graph_step(repeated(fn, a.reps), dev), dev, 5, a.repeats)])["p50_ms"]
                 res[name] = ms
                 if a.profile:
                     prof = kernel_times(fn, dev)
@@ -112,9 +113,9 @@ def main() -> None:
                           + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()), flush=True)
                 rows.append(dict(model=mname, S=S, B=B, mode=name, us=ms * 1e3, rel_l2_vs_first=err,
                                  index_mismatch=mism))
-            dense = lambda args=(q[:, None], ks, vs): measure.dense_attention(*args, causal=False)
-            ms = measure.quantiles([t / a.reps for t in measure.time_ms(
-                measure.graph_step(measure.repeated(dense, a.reps), dev), dev, 5, a.repeats)])["p50_ms"]
+            dense = lambda args=(q[:, None], ks, vs): dense_attention(*args, causal=False)
+            ms = quantiles([t / a.reps for t in time_ms(
+                graph_step(repeated(dense, a.reps), dev), dev, 5, a.repeats)])["p50_ms"]
             rows.append(dict(model=mname, S=S, B=B, mode="dense", us=ms * 1e3))
             first = next(iter(res))
             best = min((v, n) for n, v in res.items())

@@ -20,7 +20,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.lm import checkpoint
-from experiments.lm.loop import RunConfig, train
+from experiments.lm.config import RunConfig
+from experiments.lm.loop import train
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 

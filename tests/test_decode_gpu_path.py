@@ -1,4 +1,4 @@
-"""The GPU decode path (nsa.decode.GraphDecoder, kernels in nsa/backends/triton/decode.py) against
+"""The GPU decode path (nsa.decode.GraphDecoder, kernels in nsa/backends/triton/decode_attention.py) against
 the reference decode (the module's own cached forward) and one prefill.
 
 Runs the Triton kernels through the interpreter on CPU tensors, float32, tiny shapes: eager steps
@@ -72,7 +72,7 @@ NOT_LAUNCHED = {"four": (), "two": ("_dec_cmp_topk", "_dec_combine"),
 
 
 def _refuse(monkeypatch, mode):
-    from nsa.backends.triton import decode as kernels
+    from nsa.backends.triton import decode_attention as kernels
 
     class Refused:
         def __init__(self, name):

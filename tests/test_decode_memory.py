@@ -10,8 +10,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from experiments import decode, measure
+from experiments import decode
 from experiments.framework import config, hardware
+from experiments.measure import inputs as measure_inputs
+from experiments.measure.inputs import fill_cache, fill_per_seq, project
 from nsa import NSAAttention
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -52,7 +54,7 @@ def test_serving_batches_pass_the_default_limit(h100, B, S):
     cmp = B * Tc * 4 * 256 * 2
     assert parts["cache"] == raw + cmp + B * (Tc + 1) * 4 * 256 * 2  # + GraphDecoder's copy, one row longer
     per = 4096 // B
-    assert measure.fill_per_seq(4096, B) == per
+    assert fill_per_seq(4096, B) == per
     fill = 4096 * (4096 + 8192 + 192 + 64 + 3072) * 2 + 4 * 4096 * 8192 * 4 + 2 * B * (per // 16 + 1) * 4 * 32 * 256 * 2
     assert parts["fill"] == fill and fill < 0.7 * GiB
     assert parts["dense"] == 0  # SDPA's enable_gqa reads the grouped cache in place
@@ -80,7 +82,7 @@ def test_the_module_path_counts_no_decode_workspaces():
     parts = decode.memory_parts(job)
     Tc = (64 - 16) // 8 + 1  # tiny: l=16, d=8; H=2, d_k=d_v=16, float32
     assert parts["cache"] == 3 * 64 * 2 * 32 * 4 + Tc * 2 * 32 * 4 and parts["step"] == Tc * 2 * 32 * 4
-    assert measure.fill_per_seq(4096, 1) == 4096 and parts["fill"] > 63 * (64 + 64) * 4
+    assert fill_per_seq(4096, 1) == 4096 and parts["fill"] > 63 * (64 + 64) * 4
 
 
 @pytest.mark.parametrize("B,tokens,n", [(8, 20, 37), (8, 4, 13), (3, 4096, 40)])
@@ -93,11 +95,12 @@ def test_fill_cache_bounds_the_tokens_of_a_pass_and_equals_a_cached_prefill(monk
                   phi="mlp", gate_hidden=16, phi_hidden=32)
     torch.manual_seed(0)
     layer = NSAAttention(c).double().eval()
-    shapes, project = [], measure.project
-    monkeypatch.setattr(measure, "project", lambda lay, x, start=0: shapes.append(tuple(x.shape)) or project(lay, x, start))
+    shapes = []
+    monkeypatch.setattr(measure_inputs, "project",
+                        lambda lay, x, start=0: shapes.append(tuple(x.shape)) or project(lay, x, start))
     cache = layer.new_cache(B, n)
     torch.manual_seed(1)
-    measure.fill_cache(layer, cache, n, tokens)
+    fill_cache(layer, cache, n, tokens)
     per = max(1, tokens // B)
     assert [s[1] for s in shapes] == [per] * (n // per) + ([n % per] if n % per else [])
     assert all(s[0] == B for s in shapes) and (B * per <= tokens or per == 1) and cache.length == n

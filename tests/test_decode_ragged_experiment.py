@@ -19,8 +19,12 @@ import torch
 from entrypoints import one_line, start, wait
 from hydra import compose, initialize_config_dir
 
-from experiments import decode, measure
+from experiments import decode
 from experiments.framework import config, hardware
+from experiments.measure.branches import ForcedBranch, core, ragged_core
+from experiments.measure.dense import dense_attention, dense_attention_ragged, key_mask
+from experiments.measure.inputs import cache_inputs, fill_cache, ragged_inputs
+from experiments.measure.tokens import ragged_parts, variant_tokens
 from nsa import NSAAttention, NSAConfig, reference
 from nsa.decode import tokens_read
 
@@ -193,7 +197,7 @@ def _setup(S=160, B=4, seed=5):
     torch.manual_seed(0)
     layer = NSAAttention(c).double().eval()
     cache = layer.new_cache(B, S)
-    measure.fill_cache(layer, cache, S - 1, 64)
+    fill_cache(layer, cache, S - 1, 64)
     L = decode.ragged_lengths(S, B, seed)
     assert len(set(L.tolist())) == B  # really ragged
     cache.lengths = L - 1
@@ -217,14 +221,14 @@ def _alone(layer, cache, b: int, n: int):
 def test_each_rows_step_equals_its_sequence_stepped_alone():
     """The module path's ragged step, row by row, against the same sequence in a cache of its own at
     length L_b - 1 (only its own tokens in it): the layer (the module's forward on the ragged cache), each
-    forced branch (measure.ForcedBranch), the attention core (measure.ragged_core: nsa and each branch), the
-    masked dense baseline, and the token counts (measure.ragged_parts vs nsa.decode.tokens_read of the
+    forced branch (measure.branches.ForcedBranch), the attention core (measure.branches.ragged_core: nsa and each branch), the
+    masked dense baseline, and the token counts (measure.tokens.ragged_parts vs nsa.decode.tokens_read of the
     reference top-n of each row alone, and the literal cmp and win counts)."""
     c, layer, cache, L, xs = _setup()
     B = cache.batch_size
     alone = [_alone(layer, cache, b, int(L[b]) - 1) for b in range(B)]
     for variant in ("none", "cmp", "sel", "win"):
-        step = layer if variant == "none" else measure.ForcedBranch(layer, variant)
+        step = layer if variant == "none" else ForcedBranch(layer, variant)
         cache.lengths = L - 1
         y = step(xs, cache)
         assert torch.equal(cache.lengths, L) and cache.ragged
@@ -232,22 +236,22 @@ def test_each_rows_step_equals_its_sequence_stepped_alone():
             one.length = int(L[b]) - 1
             y1 = step(xs[b:b + 1], one)
             torch.testing.assert_close(y[b], y1[0], rtol=1e-12, atol=1e-12, msg=f"{variant} row {b}")
-    rows = measure.ragged_inputs(layer, cache, xs)
+    rows = ragged_inputs(layer, cache, xs)
     assert [x.q_start for x in rows] == (L - 1).tolist()
-    ones = [measure.cache_inputs(layer, one, xs[b:b + 1]) for b, one in enumerate(alone)]
+    ones = [cache_inputs(layer, one, xs[b:b + 1]) for b, one in enumerate(alone)]
     for variant in ("none", "cmp", "sel", "win"):
-        o = measure.ragged_core(variant, rows, c, PLAN, None)
+        o = ragged_core(variant, rows, c, PLAN, None)
         for b, x1 in enumerate(ones):
-            o1 = measure.core(variant, x1, c, PLAN, None)
+            o1 = core(variant, x1, c, PLAN, None)
             torch.testing.assert_close(o[b], o1[0], rtol=1e-12, atol=1e-12, msg=f"core {variant} row {b}")
     q_all = torch.cat([x.q for x in rows])
     S = cache.max_len
-    od = measure.dense_attention_ragged(q_all, cache.k_win[:, :S], cache.v_win[:, :S], measure.key_mask(L, S, "cpu"))
+    od = dense_attention_ragged(q_all, cache.k_win[:, :S], cache.v_win[:, :S], key_mask(L, S, "cpu"))
     for b, x1 in enumerate(ones):
-        o1 = measure.dense_attention(x1.q, x1.k_win, x1.v_win, causal=False)  # its own L_b keys, no mask
+        o1 = dense_attention(x1.q, x1.k_win, x1.v_win, causal=False)  # its own L_b keys, no mask
         assert x1.k_win.shape[1] == int(L[b])
         torch.testing.assert_close(od[b], o1[0], rtol=1e-12, atol=1e-12, msg=f"dense row {b}")
-    parts = measure.ragged_parts(rows, c, PLAN, None)
+    parts = ragged_parts(rows, c, PLAN, None)
     per_row = []
     for b, (one, x1) in enumerate(zip(alone, ones)):
         n = int(L[b])
@@ -261,4 +265,4 @@ def test_each_rows_step_equals_its_sequence_stepped_alone():
         assert (parts["sel"][b, 0] < n).all()  # more blocks than n_sel: a real top-n
         per_row.append(float(want["read"].double().mean()))
     # the batch's figure as the CSV reports it: the mean over rows and groups of each row's own count
-    assert float(measure.variant_tokens("nsa", parts).double().mean()) == pytest.approx(sum(per_row) / B)
+    assert float(variant_tokens("nsa", parts).double().mean()) == pytest.approx(sum(per_row) / B)

@@ -9,7 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.lm.cost import step_flops
-from experiments.lm.loop import RunConfig, build_model
+from experiments.lm.config import RunConfig
+from experiments.lm.loop import build_model
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = {g: sorted(f.stem for f in (CONF / g).glob("*.yaml")) for g in ("lm", "attention", "data", "train")}

@@ -9,7 +9,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.lm import checkpoint
-from experiments.lm.loop import RunConfig, train
+from experiments.lm.config import RunConfig
+from experiments.lm.loop import train
 from nsa.dispatch import BackendUnavailable
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

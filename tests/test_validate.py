@@ -16,9 +16,10 @@ import torch
 from conftest import make_config, random_inputs
 from omegaconf import OmegaConf
 
-from experiments import measure
 from experiments.framework import config
-from experiments.validation import decode, faults, kernels, report, thresholds
+from experiments.measure import timing
+from experiments.measure.timing import graph_ms
+from experiments.validation import decode_breakdown, faults, kernels, report, thresholds
 from experiments.validation import train as vtrain
 from experiments.validation.core import FAIL, NOT_RUN, PASS, SKIP, Check
 from nsa import dispatch
@@ -187,13 +188,13 @@ def _decode_rows(path: str, t: dict) -> list[dict]:
 
 def test_decode_shares_sum_to_100_with_the_remainder():
     t = {"layer": 0.2, "nsa": 0.04, "cmp": 0.02, "sel": 0.012, "win": 0.01, "dense": 0.03}
-    sh = decode.shares(_decode_rows("graph_decoder", t))
+    sh = decode_breakdown.shares(_decode_rows("graph_decoder", t))
     assert sh["pct"]["cmp"] == pytest.approx(50) and sh["pct"]["remainder"] == pytest.approx(-5)
     assert sum(sh["pct"].values()) == pytest.approx(100) and not sh["sel_derived"]
     # The module path's sel row also scores with the compressed branch: sel alone is the difference.
-    sh = decode.shares(_decode_rows("module", {**t, "sel": 0.032}))
+    sh = decode_breakdown.shares(_decode_rows("module", {**t, "sel": 0.032}))
     assert sh["ms"]["sel"] == pytest.approx(0.012) and sh["sel_derived"]
-    tk = decode.tokens(_decode_rows("module", t), {})
+    tk = decode_breakdown.tokens(_decode_rows("module", t), {})
     assert tk["indices"] == {"cmp": 10.0, "sel": 64.0, "win": 32.0} and tk["kernel"] == {"cmp": None, "sel": None, "win": None}
 
 
@@ -266,7 +267,7 @@ def test_an_injected_fault_moves_that_branch_only_and_is_undone():
 
 
 def test_graph_timing_divides_a_replay_by_the_steps_it_holds(monkeypatch):
-    """measure.graph_ms: reps calls in one captured graph, the replay's time / reps; and one call per graph."""
+    """measure.timing.graph_ms: reps calls in one captured graph, the replay's time / reps; and one call per graph."""
     calls = []
     captured = []
 
@@ -274,8 +275,8 @@ def test_graph_timing_divides_a_replay_by_the_steps_it_holds(monkeypatch):
         captured.append(fn)
         return fn
 
-    monkeypatch.setattr(measure, "time_ms", lambda fn, device, warmup, repeats: [fn() or 8.0 for _ in range(repeats)])
-    q = measure.graph_ms(capture, lambda: calls.append(1), torch.device("cpu"), 0, 3, reps=4)
+    monkeypatch.setattr(timing, "time_ms", lambda fn, device, warmup, repeats: [fn() or 8.0 for _ in range(repeats)])
+    q = graph_ms(capture, lambda: calls.append(1), torch.device("cpu"), 0, 3, reps=4)
     assert q["p50_ms"] == 2.0 and q["single_replay_p50_ms"] == 8.0
     assert len(captured) == 2 and len(calls) == 3 * 4 + 3  # 3 replays of 4 calls, 3 of one
 

@@ -1,7 +1,7 @@
 """A small decoder language model trained with NSA, dense or sliding-window attention.
 
 ``model`` (the model and its parameter counts), ``data`` (the retrieval task and the text corpus),
-``probes`` (gate means, selection quality), ``checkpoint`` (atomic save, peek), ``loop``
-(``RunConfig``, ``train``). Configured by ``conf/train.yaml`` and its groups ``lm``, ``attention``,
+``probes`` (gate means, selection quality), ``checkpoint`` (atomic save, peek), ``config``
+(``TrainConfig``, ``RunConfig``), ``loop`` (``train``). Configured by ``conf/train.yaml`` and its groups ``lm``, ``attention``,
 ``data``, ``train``.
 """

@@ -36,8 +36,8 @@ import math
 import resource
 import sys
 import time
-from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Callable, Mapping
+from dataclasses import fields
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,185 +45,11 @@ import torch.nn.functional as F
 from nsa import NSAConfig, dispatch
 
 from . import checkpoint, cost, probes
-from .data import IGNORE, make_task
-from .model import ATTENTION, LM, LMConfig, count_parameters
+from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
+from .data import IGNORE
+from .model import LM, count_parameters
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
 RESUMABLE_CHANGES = {"train.time_limit_s"}  # config keys a resumed run may change
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The ``train:`` node of ``conf/train/*.yaml``."""
-
-    steps: int
-    batch: int
-    lr: float
-    warmup: int = 0
-    min_lr_ratio: float = 0.1  # cosine decay from lr to min_lr_ratio * lr at the last step
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0: no clipping
-    log_every: int = 1
-    eval_every: int = 100
-    eval_batches: int = 1  # 0: no evaluation
-    ckpt_every: int = 100
-    sel_rows: int = 64
-    # NSA only: for the first this many steps every gate is held at 1 (the gate MLP's output replaced, so it
-    # learns nothing then) and each branch gets its whole gradient, where free gates close on attention
-    # that does not help yet (BENCHMARKS.md "Training at 32k"). 0: the gates are free from the start.
-    gates_open_steps: int = 0
-    time_limit_s: float | None = None  # stop (checkpointed, resumable) at the first log step past it
-    # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
-    # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
-    curriculum: tuple = ()
-
-    def __post_init__(self):
-        for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
-            _int(f"train.{f}", getattr(self, f), 1)
-        for f in ("warmup", "eval_batches", "gates_open_steps"):
-            _int(f"train.{f}", getattr(self, f), 0)
-        for f in ("eval_every", "ckpt_every"):
-            if getattr(self, f) % self.log_every:
-                raise ValueError(f"train.{f}={getattr(self, f)}: must be a multiple of log_every={self.log_every}")
-        for f in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "time_limit_s"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
-                raise ValueError(f"train.{f}={v!r}: must be a number")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr={self.lr!r}: must be positive")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]")
-        for f in ("weight_decay", "grad_clip"):
-            if not getattr(self, f) >= 0:
-                raise ValueError(f"train.{f}={getattr(self, f)!r}: must be >= 0")
-        for f in ("beta1", "beta2"):
-            if not 0 <= getattr(self, f) < 1:
-                raise ValueError(f"train.{f}={getattr(self, f)!r}: must be in [0, 1)")
-        if self.time_limit_s is not None and not self.time_limit_s > 0:
-            raise ValueError(f"train.time_limit_s={self.time_limit_s!r}: must be positive or null")
-        object.__setattr__(self, "curriculum", tuple(dict(s) for s in self.curriculum))
-        for i, st in enumerate(self.curriculum):
-            if set(st) != {"steps", "batch", "data"}:
-                raise ValueError(f"train.curriculum[{i}]: needs exactly the keys steps, batch, data; got {sorted(st)}")
-            _int(f"train.curriculum[{i}].steps", st["steps"], 1)
-            _int(f"train.curriculum[{i}].batch", st["batch"], 1)
-        if sum(st["steps"] for st in self.curriculum) >= self.steps:
-            raise ValueError(f"train.curriculum: its stages take all of train.steps={self.steps}; the main stage needs steps")
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of update ``step`` (1-based): linear warm-up, then cosine decay."""
-        if step <= self.warmup:
-            return self.lr * step / self.warmup
-        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything the loop needs, from the composed Hydra config (:meth:`from_conf`) or by hand.
-    ``backend``: a backend name or ``{cmp, sel, win}`` (NSA's branches; the window model uses
-    ``win``); ``dtype``: ``float32``, or ``bfloat16`` (autocast over float32 weights)."""
-
-    lm: LMConfig
-    attention: str
-    data: Mapping
-    train: TrainConfig
-    backend: str | Mapping = "reference"
-    fallback: str | None = None
-    dtype: str = "float32"
-    seed: int = 0
-    streams: bool = True
-
-    def __post_init__(self):
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention.kind={self.attention!r}: must be one of {ATTENTION}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
-        _int("seed", self.seed, 0)
-        object.__setattr__(self, "backend", dispatch.resolve(self.backend))
-        ref = [b for b in dispatch.BRANCHES if self.backend[b] == "reference"]
-        if self.attention == "nsa" and self.dtype == "bfloat16" and ref:
-            # nsa/reference.py picks its own accumulation dtype; autocast turns its products to bfloat16,
-            # and its masking fails there ("value cannot be converted to type c10::BFloat16")
-            raise ValueError(f"backend.{ref[0]}=reference: NSA's reference backend does not run under bfloat16 "
-                             "autocast; use dtype=float32, or backend=triton on a GPU")
-        task = self.stages()[-1][1]  # checks the data node and every stage's
-        acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
-        if acfg.rope_rule():
-            raise ValueError(f"lm.nsa.d_k={acfg.d_k}: {acfg.rope_rule()}")
-        if self.attention == "nsa" and self.train.eval_batches:
-            most = task.seq_len - acfg.n_sel * acfg.l_sel
-            if self.train.sel_rows > most:
-                raise ValueError(f"train.sel_rows={self.train.sel_rows}: must be <= data.seq_len - n_sel * l_sel = {most} "
-                                 "(each sampled row needs more than n_sel candidate blocks)")
-
-    @classmethod
-    def from_conf(cls, cfg, *, backend=None, fallback=None, dtype=None) -> RunConfig:
-        """From the composed ``conf/train.yaml`` (an OmegaConf node or a dict): reads ``lm``,
-        ``attention.kind``, ``data``, ``train``, ``backend`` (its ``cmp/sel/win`` and ``fallback``),
-        ``dtype`` (null: ``hardware.dtype``, then float32), ``seed``, ``streams``. An entry point
-        passes what its framework resolved (the hardware policy's backends, the profile's dtype) as
-        ``backend`` / ``fallback`` / ``dtype`` (a name or a torch.dtype); those replace the config's."""
-        from omegaconf import OmegaConf
-
-        c = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
-        be = c.get("backend", "reference") if backend is None else backend
-        if backend is None and isinstance(be, Mapping):
-            fallback = be.get("fallback") if fallback is None else fallback
-        if isinstance(be, Mapping):
-            be = {b: be[b] for b in dispatch.BRANCHES if be.get(b) is not None}
-        if isinstance(dtype, torch.dtype):
-            dtype = str(dtype).removeprefix("torch.")
-        dtype = dtype or c.get("dtype") or (c.get("hardware") or {}).get("dtype") or "float32"
-        return cls(lm=_build(LMConfig, c["lm"], "lm"), attention=c["attention"]["kind"], data=dict(c["data"]),
-                   train=_build(TrainConfig, c["train"], "train"), backend=be, fallback=fallback, dtype=dtype,
-                   seed=c.get("seed", 0), streams=c.get("streams", True))
-
-    def stages(self) -> list[tuple[int, object, int]]:
-        """``(last step, task, batch)`` per stage, the main stage last."""
-        out, end = [], 0
-        for i, st in enumerate(self.train.curriculum):
-            end += st["steps"]
-            try:
-                task = make_task({**self.data, **st["data"]}, self.seed)
-            except ValueError as e:
-                raise ValueError(f"train.curriculum[{i}]: {e}") from e
-            out.append((end, task, st["batch"]))
-        return out + [(self.train.steps, make_task(self.data, self.seed), self.train.batch)]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["data"], d["backend"] = dict(self.data), dict(self.backend)
-        d["lm"]["nsa"] = dict(self.lm.nsa)
-        return d
-
-
-def _build(cls, node: Mapping, prefix: str):
-    names = {f.name for f in fields(cls)}
-    extra = sorted(set(node) - names)
-    if extra:
-        raise ValueError(f"{prefix}: unknown key(s) {extra}; known: {sorted(names)}")
-    missing = sorted(f.name for f in fields(cls) if f.name not in node and f.default is f.default_factory is MISSING)
-    if missing:
-        raise ValueError(f"{prefix}: missing key(s) {missing}")
-    return cls(**node)
-
-
-def _flatten(d: Mapping, prefix="") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def build_model(cfg: RunConfig, device=None) -> LM:
@@ -297,7 +123,7 @@ def _added_at_default(key: str, value) -> bool:
 
 
 def _check_config(state: dict, cfg: RunConfig) -> None:
-    old, new = _flatten(state["config"]), _flatten(cfg.to_dict())
+    old, new = flatten(state["config"]), flatten(cfg.to_dict())
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
                   and not (k not in old and _added_at_default(k, new[k])))
     if diff:
@@ -392,7 +218,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     device = torch.device(device)
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
-    _int("logged_through", logged_through, 0)
+    check_int("logged_through", logged_through, 0)
     tc, dtype = cfg.train, DTYPES[cfg.dtype]
     _check_backends(cfg, device, dtype)
 

@@ -1,4 +1,5 @@
-"""The operations ``python -m experiments.kernels op=<name>`` checks and times, one module per operation.
+"""The operations ``python -m experiments.kernels op=<name>`` checks and times, one module per operation
+(``op=decode``: :mod:`.decode_step`, the other ops the module of their name).
 
 Each module has ``check(b)`` (its kernel against the reference at ``kernels.check_seq`` tokens; a
 difference over ``kernels.tol`` is recorded in ``b.failures`` and fails the job), ``timed(b)`` (the rows
@@ -11,6 +12,7 @@ import importlib
 from types import ModuleType
 
 NAMES = ("selection", "compressed", "topn", "window", "gate", "layer", "decode")
+MODULES = {"decode": "decode_step"}  # op name -> module, where they differ
 
 # Nsight Compute metrics that say what bounds a kernel (percent of peak, bytes): time, SM, L2, DRAM, L1,
 # tensor pipes (mma.sync and wgmma), occupancy, issue. With ``kernels.once=true``:
@@ -34,4 +36,4 @@ NCU_METRICS = ",".join((
 def get(name: str) -> ModuleType:
     if name not in NAMES:
         raise ValueError(f"op={name!r}: one of {', '.join(NAMES)}")
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__name__}.{MODULES.get(name, name)}")

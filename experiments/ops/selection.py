@@ -15,7 +15,7 @@ from nsa.backends.triton import tuning
 from nsa.backends.triton.selection import selected_attention
 from nsa.backends.triton.utils import poisoned_outputs
 
-from .. import measure
+from ..measure.tokens import selected_tokens
 from .bench import Bench, backward_of, leaves
 
 CHUNK = 8192  # queries per chunk of random scores (bounds their memory)
@@ -55,7 +55,7 @@ def check(b: Bench) -> None:
 def timed(b: Bench) -> None:
     q, k, v, do, idx = inputs(b, b.T)
     c = b.c
-    tokens = float(measure.selected_tokens(idx, c, 0).sum())  # per query and group
+    tokens = float(selected_tokens(idx, c, 0).sum())  # per query and group
     xs = leaves(q, k, v)
     fn = lambda: selected_attention(q, k, v, idx, c)
     b.row("triton", fn, backward_of(lambda: selected_attention(*xs, idx, c), xs, do),

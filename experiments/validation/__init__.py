@@ -1,7 +1,7 @@
 """``python -m experiments.validate``: does this NSA build work on this device, and how fast is it here.
 
 One module per check, each ``run(ctx: core.Context) -> core.Check``: :mod:`.environment` (``env``),
-:mod:`.kernels`, :mod:`.decode`, :mod:`.prefill`, :mod:`.thresholds`, :mod:`.train`,
+:mod:`.kernels`, :mod:`.decode_breakdown` (``decode``), :mod:`.prefill`, :mod:`.thresholds`, :mod:`.train`,
 :mod:`.determinism`; :mod:`.run` runs them under one MLflow parent run, :mod:`.report` writes
 report.md / report.html, :mod:`.faults` is the ``inject_fault`` test switch, :mod:`.pytest_plugin`
 the kernel check's pytest plugin. Sizes per device class: ``conf/validate.yaml`` (``validate.sizes``).

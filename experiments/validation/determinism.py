@@ -15,9 +15,9 @@ from nsa import NSAAttention, dispatch
 from nsa import functional as fn
 from nsa.decode import GraphDecoder
 
-from .. import measure
+from ..measure.inputs import fill_cache
 from .core import Check, Context
-from .decode import uses_decoder
+from .decode_breakdown import uses_decoder
 from .report import Table, Text
 
 NAMES = ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")
@@ -96,7 +96,7 @@ def decode_step(ctx: Context):
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     cache = layer.new_cache(B, S, dev, dt)
     with torch.no_grad():
-        measure.fill_cache(layer, cache, S - 1, int(job.cfg.decode.fill_tokens))
+        fill_cache(layer, cache, S - 1, int(job.cfg.decode.fill_tokens))
         xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
     if uses_decoder(job):
         dec = GraphDecoder(layer, cache)

@@ -27,12 +27,12 @@ from ..framework.config import CONF_DIR, ConfigError, one_line, prepare
 from ..framework.job import _remove_empty_output_dir as remove_empty_output_dir
 from ..framework.job import describe
 from ..framework.report import write_csv
-from . import decode, determinism, environment, faults, kernels, prefill, report, thresholds, train
+from . import decode_breakdown, determinism, environment, faults, kernels, prefill, report, thresholds, train
 from .core import FAIL, NOT_RUN, PASS, Check, Context
 from .report import Table, Text
 
 log = logging.getLogger("experiments.validate")
-CHECKS = {"env": environment.run, "kernels": kernels.run, "decode": decode.run, "prefill": prefill.run,
+CHECKS = {"env": environment.run, "kernels": kernels.run, "decode": decode_breakdown.run, "prefill": prefill.run,
           "thresholds": thresholds.run, "train": train.run, "determinism": determinism.run}
 SIZES = ("auto", "cpu", "gpu")
 

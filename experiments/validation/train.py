@@ -16,7 +16,8 @@ import torch
 from omegaconf import OmegaConf
 
 from ..framework.config import CONF_DIR
-from ..lm.loop import RunConfig, TrainConfig, train
+from ..lm.config import RunConfig, TrainConfig
+from ..lm.loop import train
 from ..lm.model import LMConfig
 from . import report
 from .core import Check, Context

@@ -91,7 +91,7 @@ class TritonBackend(Backend):
                               varlen=varlen)
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
-        from .decode import DecodeKernels
+        from .decode_attention import DecodeKernels
         return DecodeKernels(config, B, max_len, device, dtype=dtype, n_sm=n_sm)
 
 

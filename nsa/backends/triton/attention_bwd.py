@@ -209,8 +209,11 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
     if B > 0 and Tq > 0:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
         _bwd_dq_kernel[grid](
-            q, k, v, do, lse, delta, dq, qd, kd, vd, dod, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *dq.stride()[:3], N, Tq, q_start, scale * LOG2E, scale, **common,
+            Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=dq, QD=qd, KD=kd, VD=vd, DOD=dod, TILES=docs[0], CU_Q=docs[1],
+            CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
+            sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), sdo_b=do.stride(0), sdo_t=do.stride(1),
+            sdo_h=do.stride(2), sdq_b=dq.stride(0), sdq_t=dq.stride(1), sdq_h=dq.stride(2), N=N, Tq=Tq, q_start=q_start,
+            scale_log2=scale * LOG2E, scale=scale, **common,
         )
     if B > 0 and N > 0:
         if varlen is None:
@@ -227,9 +230,12 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
         else:
             dkw, dvw = dk[None], dv[None]
         _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
-            q, k, v, do, lse, delta, dkw, dvw, qd, dod, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-            *do.stride()[:3], *dkw.stride()[1:4], *dvw.stride()[1:4], dkw.stride(0), dvw.stride(0), N, Tq, q_start,
-            scale * LOG2E, scale, **common,
+            Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK_=dkw, DV_=dvw, QD=qd, DOD=dod, TILES=docs[0], CU_Q=docs[1],
+            CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
+            sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), sdo_b=do.stride(0), sdo_t=do.stride(1),
+            sdo_h=do.stride(2), sdk_b=dkw.stride(1), sdk_n=dkw.stride(2), sdk_h=dkw.stride(3), sdv_b=dvw.stride(1),
+            sdv_n=dvw.stride(2), sdv_h=dvw.stride(3), sdk_s=dkw.stride(0), sdv_s=dvw.stride(0), N=N, Tq=Tq, q_start=q_start,
+            scale_log2=scale * LOG2E, scale=scale, **common,
         )
         if n_split > 1:
             dk, dv = dkw.sum(0).to(k.dtype), dvw.sum(0).to(v.dtype)

@@ -286,10 +286,13 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
         sc = empty((B, c1 - c0, H, nb), q, torch.float32)
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, c0, c1, config.d, config.l - 1)
         _fwd_kernel[grid](
-            q, k, v, o, lse, sc, *descs, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            *sc.stride()[:3], N, Tq, q_start, c0, c1, n_blocks, scale * LOG2E,
-            **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d, OFFSET=config.l - 1, PREC=dot_precision(q.dtype),
-            LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma, **launch_options(tuning.by_path(tune, tma)), **kw,
+            Q=q, K=k, V=v, Out=o, LSE=lse, SC=sc, QD=descs[0], KD1=descs[1], KD=descs[2], VD=descs[3], TILES=docs[0],
+            CU_Q=docs[1], CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
+            sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), so_b=o.stride(0), so_t=o.stride(1),
+            so_h=o.stride(2), ssc_b=sc.stride(0), ssc_t=sc.stride(1), ssc_h=sc.stride(2), N=N, Tq=Tq, q_start=q_start, m_begin=c0,
+            m_end=c1, nb=n_blocks, scale_log2=scale * LOG2E, **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d,
+            OFFSET=config.l - 1, PREC=dot_precision(q.dtype), LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma,
+            **launch_options(tuning.by_path(tune, tma)), **kw,
         )
         if on_scored is not None and c1 == Tq:
             on_scored()

@@ -75,8 +75,9 @@ def _gate_fwd_op(o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, 
     o = empty(o_cmp.shape, o_cmp)
     if n_rows:
         _gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
-            o_cmp, o_sel, o_win, gates, o, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
-            num_warps=tune["warps"])
+            OC=o_cmp, OS=o_sel, OW=o_win, GT=gates, O=o, n_rows=n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
+            num_warps=tune["warps"],
+        )
     return o
 
 
@@ -95,8 +96,9 @@ def _gate_bwd_op(oc: torch.Tensor, os_: torch.Tensor, ow: torch.Tensor, gates: t
     dg = empty(gates.shape, gates)
     if n_rows:
         _gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
-            oc, os_, ow, gates, do, *d_o, dg, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
-            num_warps=tune["warps"])
+            OC=oc, OS=os_, OW=ow, GT=gates, DO=do, DOC=d_o[0], DOS=d_o[1], DOW=d_o[2], DG=dg, n_rows=n_rows, D=D,
+            BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"], num_warps=tune["warps"],
+        )
     return (*d_o, dg)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _pdl_enter
+from .decode_attention import _pdl_enter
 from .utils import p2
 
 PHI_MEAN, PHI_MLP = 1, 2
@@ -311,22 +311,24 @@ class StepPrologue:
         spos = 0 if pos.shape[0] == 1 else pos.stride(0)
         pdl = dict(PDL=True, launch_pdl=True) if self.pdl else dict(PDL=False)
         _step_project[(B, self.n_programs())](
-            P, P.stride(0), pos, spos, B, cos, sin, cos.stride(0), self.q, self.gates,
-            kc, vc, ks, vs, kw, vw, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
-            k_ext, v_ext, k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1),
-            gw2, gb2, *phi_in, self.hidden,
-            HQ=HQ, H=H, DK=DK, DV=DV, BDK=p2(DK, 16), BDV=p2(DV, 16), L=c.l, DSTR=c.d, GH=c.gate_hidden,
-            BGH=p2(max(c.gate_hidden, 1), 2), BGO=min(p2(3 * HQ, 2), 64), PHI=self.phi, HIDK=self.hid["k"],
-            HIDV=self.hid["v"], HIDM=self.hid_m, NRM=self.nr_m, BHID=self.BHID, NCHK=self.nch["k"],
-            NCHV=self.nch["v"], NRK=self.nr["k"], NRV=self.nr["v"], RPERK=self.rper["k"], RPERV=self.rper["v"],
-            BB=self.bb, BM=self.bm, PREC=self.prec, num_warps=self.warps, **pdl)
+            p_ptr=P, stride_p=P.stride(0), pos_ptr=pos, stride_pos=spos, B=B, cos_ptr=cos, sin_ptr=sin, stride_cs=cos.stride(0),
+            q_ptr=self.q, g_ptr=self.gates, kc_ptr=kc, vc_ptr=vc, ks_ptr=ks, vs_ptr=vs, kw_ptr=kw, vw_ptr=vw, skb=kc.stride(0),
+            skt=kc.stride(1), svb=vc.stride(0), svt=vc.stride(1), ck_ptr=k_ext, cv_ptr=v_ext, sckb=k_ext.stride(0),
+            sckt=k_ext.stride(1), scvb=v_ext.stride(0), scvt=v_ext.stride(1), gw2_ptr=gw2, gb2_ptr=gb2, pek_ptr=phi_in[0],
+            w1k_ptr=phi_in[1], pev_ptr=phi_in[2], w1v_ptr=phi_in[3], h_ptr=self.hidden, HQ=HQ, H=H, DK=DK, DV=DV, BDK=p2(DK, 16),
+            BDV=p2(DV, 16), L=c.l, DSTR=c.d, GH=c.gate_hidden, BGH=p2(max(c.gate_hidden, 1), 2), BGO=min(p2(3 * HQ, 2), 64),
+            PHI=self.phi, HIDK=self.hid["k"], HIDV=self.hid["v"], HIDM=self.hid_m, NRM=self.nr_m, BHID=self.BHID,
+            NCHK=self.nch["k"], NCHV=self.nch["v"], NRK=self.nr["k"], NRV=self.nr["v"], RPERK=self.rper["k"],
+            RPERV=self.rper["v"], BB=self.bb, BM=self.bm, PREC=self.prec, num_warps=self.warps, **pdl,
+        )
         if mlp:
             n_out = -(-DK // self.BDO) + -(-DV // self.BDO)
             _step_phi_out[(-(-B // self.bb), n_out)](
-                pos, spos, B, self.hidden, pk.fc1.bias, pk.fc2.weight, pk.fc2.bias, pv.fc1.bias, pv.fc2.weight,
-                pv.fc2.bias, k_ext, v_ext, k_ext.stride(0), k_ext.stride(1), v_ext.stride(0), v_ext.stride(1),
-                H=H, DK=DK, DV=DV, L=c.l, DSTR=c.d, HIDK=self.hid["k"], HIDV=self.hid["v"], HIDM=self.hid_m,
-                NRM=self.nr_m, NRK=self.nr["k"], NRV=self.nr["v"], BHK=p2(self.hid["k"], 16),
-                BHV=p2(self.hid["v"], 16), BDO=self.BDO, BB=self.bb, BM=self.bm, PREC=self.prec, num_warps=self.warps,
-                **pdl)
+                pos_ptr=pos, stride_pos=spos, B=B, h_ptr=self.hidden, b1k_ptr=pk.fc1.bias, w2k_ptr=pk.fc2.weight,
+                b2k_ptr=pk.fc2.bias, b1v_ptr=pv.fc1.bias, w2v_ptr=pv.fc2.weight, b2v_ptr=pv.fc2.bias, ck_ptr=k_ext, cv_ptr=v_ext,
+                sckb=k_ext.stride(0), sckt=k_ext.stride(1), scvb=v_ext.stride(0), scvt=v_ext.stride(1), H=H, DK=DK, DV=DV, L=c.l,
+                DSTR=c.d, HIDK=self.hid["k"], HIDV=self.hid["v"], HIDM=self.hid_m, NRM=self.nr_m, NRK=self.nr["k"],
+                NRV=self.nr["v"], BHK=p2(self.hid["k"], 16), BHV=p2(self.hid["v"], 16), BDO=self.BDO, BB=self.bb, BM=self.bm,
+                PREC=self.prec, num_warps=self.warps, **pdl,
+            )
         return self.q, self.gates

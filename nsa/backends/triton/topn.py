@@ -133,8 +133,7 @@ def topn_launch(sc, out, t0, nb, config, pos=None):
         rb = topn_rows(width, config.n_sel, tune)
         rows = (p1 - p0) * H
         _topn_kernel[(triton.cdiv(rows, rb), B)](
-            sc[:, p0:], out[:, p0:], pos, rows, sc.stride(0), out.stride(0), nb, t0 + p0,
-            H=H, NBP=width, N_SEL=config.n_sel, NSP=p2(config.n_sel), N_INIT=config.n_init,
-            N_LOCAL=config.n_local, L_SEL=config.l_sel, RB=rb, SEG=min(TOPN_SEG, width), VARLEN=pos is not None,
-            num_warps=tune["warps"],
+            SC=sc[:, p0:], IDX=out[:, p0:], POS=pos, n_rows=rows, ssc_b=sc.stride(0), sidx_b=out.stride(0), nb=nb, t0=t0 + p0,
+            H=H, NBP=width, N_SEL=config.n_sel, NSP=p2(config.n_sel), N_INIT=config.n_init, N_LOCAL=config.n_local,
+            L_SEL=config.l_sel, RB=rb, SEG=min(TOPN_SEG, width), VARLEN=pos is not None, num_warps=tune["warps"],
         )

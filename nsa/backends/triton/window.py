@@ -119,10 +119,11 @@ def _forward(q, k, v, w, *, scale, q_start, tune, varlen=None):
     if B and Tq:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq)
         _fwd_kernel[grid](
-            q, k, v, o, lse, lse, *docs, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-            *lse.stride(), N, Tq, q_start, 0, Tq, 0, scale * LOG2E,
-            **geo, BLOCK_N=p2(nstep), NSTEP=nstep, WINDOW=w, PREC=dot_precision(q.dtype), VARLEN=varlen is not None,
-            **launch,
+            Q=q, K=k, V=v, Out=o, LSE=lse, SC=lse, TILES=docs[0], CU_Q=docs[1], CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1),
+            sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1), sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1),
+            sv_h=v.stride(2), so_b=o.stride(0), so_t=o.stride(1), so_h=o.stride(2), ssc_b=lse.stride(0), ssc_t=lse.stride(1),
+            ssc_h=lse.stride(2), N=N, Tq=Tq, q_start=q_start, m_begin=0, m_end=Tq, nb=0, scale_log2=scale * LOG2E, **geo,
+            BLOCK_N=p2(nstep), NSTEP=nstep, WINDOW=w, PREC=dot_precision(q.dtype), VARLEN=varlen is not None, **launch,
         )
     return o, lse
 

@@ -25,7 +25,8 @@ import torch
 from nsa import NSAAttention, dispatch, reference
 from nsa.decode import BRANCHES, GraphDecoder, tokens_read
 
-from .. import measure
+from ..measure.dense import dense_attention
+from ..measure.timing import decode_launch_tags, graph_step
 from .bench import Bench
 
 CACHES = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
@@ -78,7 +79,7 @@ def decoder(b: Bench):
 def timed(b: Bench) -> None:
     c, B, S = b.c, b.B, b.T
     m, cache, dec, q, g = decoder(b)
-    b.tags.update(measure.decode_launch_tags(dec))
+    b.tags.update(decode_launch_tags(dec))
     xs = b.randn(B, 1, c.dim)
     with torch.no_grad():
         dec.attend(q, g, position=S - 1, count=True)  # the top-n the sel row reads; the kernels' counts
@@ -99,10 +100,10 @@ def timed(b: Bench) -> None:
         }
         kd, vd = (b.randn(B, S, c.n_kv_heads, d) for d in (c.d_k, c.d_v))
         qd = q[:, None]
-        dense = lambda: measure.dense_attention(qd, kd, vd, causal=False)
+        dense = lambda: dense_attention(qd, kd, vd, causal=False)
         cuda = b.dev.type == "cuda"
         fns = {k: dec.graph(fn).replay if cuda else fn for k, fn in parts.items()}
-        fns["dense"] = measure.graph_step(dense, b.dev) if cuda else dense
+        fns["dense"] = graph_step(dense, b.dev) if cuda else dense
 
         def module_step():
             cache.length = S - 1

@@ -785,41 +785,45 @@ class DecodeKernels:
                          NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"])
         if "cmp" in branches:
             _dec_cmp_partial[(BH, p["nsc"])](
-                q, k_cmp, v_cmp, pos, spos, self.scores, self.cm, self.cl, self.cacc, self.counts,
-                self.psum, self.o_cmp, self.indices, self.sem[0],
-                q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-                v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2), qk, p["TCS"],
-                H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"],
-                BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], BLOCK_C=p["block_c"], PREC=self.prec, COUNT=count,
-                SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, FUSE=fuse, **topk_args, **pdl)
+                q_ptr=q, kc_ptr=k_cmp, vc_ptr=v_cmp, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, pm_ptr=self.cm,
+                pl_ptr=self.cl, pacc_ptr=self.cacc, cnt_ptr=self.counts, psum_ptr=self.psum, ocmp_ptr=self.o_cmp,
+                idx_ptr=self.indices, sem_ptr=self.sem[0], stride_qb=q.stride(0), stride_qh=q.stride(1),
+                stride_kb=k_cmp.stride(0), stride_kt=k_cmp.stride(1), stride_kh=k_cmp.stride(2), stride_vb=v_cmp.stride(0),
+                stride_vt=v_cmp.stride(1), stride_vh=v_cmp.stride(2), qk_scale=qk, TCS=p["TCS"], H=H, G=G, DK=c.d_k, DV=c.d_v,
+                L=c.l, D=c.d, NSC=p["nsc"], BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], BLOCK_C=p["block_c"], PREC=self.prec,
+                COUNT=count, SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, FUSE=fuse, **topk_args, **pdl,
+            )
             if not fuse:
                 _dec_cmp_topk[(BH,)](
-                    pos, spos, self.scores, self.cm, self.cl, self.cacc, self.psum, self.o_cmp, self.indices, p["TCS"],
-                    H=H, G=G, DV=c.d_v, L=c.l, D=c.d, NSC=p["nsc"], BG=p["BG"], BDV=p["BDV"], DO_TOPK=topk,
-                    num_warps=p["topk_warps"], **topk_args, **pdl)
+                    pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, pm_ptr=self.cm, pl_ptr=self.cl, pacc_ptr=self.cacc,
+                    psum_ptr=self.psum, ocmp_ptr=self.o_cmp, idx_ptr=self.indices, TCS=p["TCS"], H=H, G=G, DV=c.d_v, L=c.l, D=c.d,
+                    NSC=p["nsc"], BG=p["BG"], BDV=p["BDV"], DO_TOPK=topk, num_warps=p["topk_warps"], **topk_args, **pdl,
+                )
         has_sel, has_win = "sel" in branches, "win" in branches
         if has_sel or has_win:
             off = 0 if has_sel else p["ns_sel"]
             n = (p["ns_sel"] if has_sel else 0) + (p["ns_win"] if has_win else 0)
             _dec_sv_partial[(BH, n)](
-                q, k_sel, v_sel, k_win, v_win, self.indices, pos, spos, self.sm, self.sl, self.sacc, self.counts,
-                self.o_cmp, gates, self.out, self.sem[1],
-                gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
-                q.stride(0), q.stride(1),
-                k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), v_sel.stride(0), v_sel.stride(1), v_sel.stride(2),
-                k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
-                qk, H=H, G=G, DK=c.d_k, DV=c.d_v, LS=c.l_sel, W=c.w, N_SEL=c.n_sel,
-                NS_SEL=p["ns_sel"], SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"],
-                WIN_PER=p["win_per"], NWC=p["nwc"], SPLIT_OFF=off, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
-                BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw, FUSE=fuse, **pdl)
+                q_ptr=q, ks_ptr=k_sel, vs_ptr=v_sel, kw_ptr=k_win, vw_ptr=v_win, idx_ptr=self.indices, pos_ptr=pos,
+                stride_pos=spos, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, cnt_ptr=self.counts, ocmp_ptr=self.o_cmp,
+                g_ptr=gates, out_ptr=self.out, sem_ptr=self.sem[1], stride_gb=gates.stride(0), stride_gh=gates.stride(1),
+                stride_ob=self.out.stride(0), stride_oh=self.out.stride(1), stride_qb=q.stride(0), stride_qh=q.stride(1),
+                stride_ksb=k_sel.stride(0), stride_kst=k_sel.stride(1), stride_ksh=k_sel.stride(2), stride_vsb=v_sel.stride(0),
+                stride_vst=v_sel.stride(1), stride_vsh=v_sel.stride(2), stride_kwb=k_win.stride(0), stride_kwt=k_win.stride(1),
+                stride_kwh=k_win.stride(2), stride_vwb=v_win.stride(0), stride_vwt=v_win.stride(1), stride_vwh=v_win.stride(2),
+                qk_scale=qk, H=H, G=G, DK=c.d_k, DV=c.d_v, LS=c.l_sel, W=c.w, N_SEL=c.n_sel, NS_SEL=p["ns_sel"],
+                SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"], NWC=p["nwc"], SPLIT_OFF=off,
+                BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], BLS=p["BLS"], BW=p["bw"], PREC=self.prec, COUNT=count, num_warps=nw,
+                FUSE=fuse, **pdl,
+            )
         cb = branches if combine_branches is None else combine_branches
         if combine and not fuse:
             _dec_combine[(BH,)](
-                self.sm, self.sl, self.sacc, self.o_cmp, gates, self.out,
-                gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
-                H=H, G=G, DV=c.d_v, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"],
-                HAS_CMP="cmp" in cb, HAS_SEL="sel" in cb, HAS_WIN="win" in cb,
-                BG=p["BG"], BDV=p["BDV"], num_warps=nw, **pdl)
+                pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, ocmp_ptr=self.o_cmp, g_ptr=gates, out_ptr=self.out,
+                stride_gb=gates.stride(0), stride_gh=gates.stride(1), stride_ob=self.out.stride(0), stride_oh=self.out.stride(1),
+                H=H, G=G, DV=c.d_v, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP="cmp" in cb, HAS_SEL="sel" in cb,
+                HAS_WIN="win" in cb, BG=p["BG"], BDV=p["BDV"], num_warps=nw, **pdl,
+            )
         return self.out
 
     def _three(self, q, gates, pos, spos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, qk, count, pdl):
@@ -828,24 +832,28 @@ class DecodeKernels:
         common = dict(H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
                       PREC=self.prec, COUNT=count)
         _dec_cw_partial[(BH, p["nsc"] + p["ns_win"])](
-            q, k_cmp, v_cmp, k_win, v_win, pos, spos, self.scores, self.cm, self.cl, self.cacc,
-            self.sm, self.sl, self.sacc, self.counts,
-            q.stride(0), q.stride(1), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
-            v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-            k_win.stride(0), k_win.stride(1), k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2),
-            qk, p["TCS"], W=c.w, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
-            NWC=p["nwc"], BLOCK_C=p["block_c"], BW=p["bw"], SMALL_DOT=p["block_c"] < DOT_MIN,
-            num_warps=p["warps"], **common, **pdl)
+            q_ptr=q, kc_ptr=k_cmp, vc_ptr=v_cmp, kw_ptr=k_win, vw_ptr=v_win, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores,
+            cm_ptr=self.cm, cl_ptr=self.cl, cacc_ptr=self.cacc, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc,
+            cnt_ptr=self.counts, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cmp.stride(0),
+            stride_kt=k_cmp.stride(1), stride_kh=k_cmp.stride(2), stride_vb=v_cmp.stride(0), stride_vt=v_cmp.stride(1),
+            stride_vh=v_cmp.stride(2), stride_kwb=k_win.stride(0), stride_kwt=k_win.stride(1), stride_kwh=k_win.stride(2),
+            stride_vwb=v_win.stride(0), stride_vwt=v_win.stride(1), stride_vwh=v_win.stride(2), qk_scale=qk, TCS=p["TCS"], W=c.w,
+            NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"], NWC=p["nwc"], BLOCK_C=p["block_c"],
+            BW=p["bw"], SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=p["warps"], **common, **pdl,
+        )
         _dec_sel_topn[(BH, p["ns_sel"])](
-            q, k_sel, v_sel, pos, spos, self.scores, self.sel_psum, self.cm, self.cl, self.indices, self.sm, self.sl,
-            self.sacc,
-            self.counts, q.stride(0), q.stride(1),
-            k_sel.stride(0), k_sel.stride(1), k_sel.stride(2), v_sel.stride(0), v_sel.stride(1), v_sel.stride(2),
-            qk, p["TCS"], LS=c.l_sel, N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local, NSC=p["nsc"],
-            NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BLOCK_T=p["block_t"],
-            TOPK=p["topk"], BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], num_warps=p["sel_warps"], **common, **pdl)
+            q_ptr=q, ks_ptr=k_sel, vs_ptr=v_sel, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, psum_ptr=self.sel_psum,
+            cm_ptr=self.cm, cl_ptr=self.cl, idx_ptr=self.indices, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc,
+            cnt_ptr=self.counts, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ksb=k_sel.stride(0),
+            stride_kst=k_sel.stride(1), stride_ksh=k_sel.stride(2), stride_vsb=v_sel.stride(0), stride_vst=v_sel.stride(1),
+            stride_vsh=v_sel.stride(2), qk_scale=qk, TCS=p["TCS"], LS=c.l_sel, N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
+            NSC=p["nsc"], NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"],
+            BLOCK_T=p["block_t"], TOPK=p["topk"], BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], num_warps=p["sel_warps"],
+            **common, **pdl,
+        )
         _dec_combine3[(BH, p["combine_split"])](
-            self.cm, self.cl, self.cacc, self.sm, self.sl, self.sacc, gates, self.out,
-            gates.stride(0), gates.stride(1), self.out.stride(0), self.out.stride(1),
-            H=H, G=G, DV=c.d_v, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
-            BDVC=p["BDV"] // p["combine_split"], num_warps=p["warps"], **pdl)
+            cm_ptr=self.cm, cl_ptr=self.cl, cacc_ptr=self.cacc, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, g_ptr=gates,
+            out_ptr=self.out, stride_gb=gates.stride(0), stride_gh=gates.stride(1), stride_ob=self.out.stride(0),
+            stride_oh=self.out.stride(1), H=H, G=G, DV=c.d_v, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"],
+            BDV=p["BDV"], BDVC=p["BDV"] // p["combine_split"], num_warps=p["warps"], **pdl,
+        )

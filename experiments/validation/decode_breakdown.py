@@ -12,7 +12,7 @@
   for the dtype.
 
 Timing on a GPU: the step (or branch) is captured ``graph_reps`` times in one CUDA graph and a replay's
-time divided by that (``experiments.measure.graph_ms``); one step per graph measures the host's launch
+time divided by that (``experiments.measure.timing.graph_ms``); one step per graph measures the host's launch
 at B=1 (9.3 or 14.5 us at random on an H200, whatever the kernel) and is kept as its own column.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from nsa.decode import GraphDecoder
 from nsa.numerics import rel_l2
 
 from .. import decode as decode_entry
-from .. import measure
+from ..measure.inputs import cache_inputs, fill_cache
 from . import report
 from .core import Check, Context, fmt_ms, fmt_tokens, seq_label
 from .report import Image, Table, Text
@@ -74,8 +74,8 @@ def step_vs_reference(ctx: Context, S: int, B: int) -> dict:
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
     cache = layer.new_cache(B, S, dev, dt)
-    measure.fill_cache(layer, cache, S, int(job.cfg.decode.fill_tokens))
-    inp = measure.cache_inputs(layer, cache, torch.randn(B, 1, c.dim, device=dev, dtype=dt))
+    fill_cache(layer, cache, S, int(job.cfg.decode.fill_tokens))
+    inp = cache_inputs(layer, cache, torch.randn(B, 1, c.dim, device=dev, dtype=dt))
     ref_dt = torch.float64 if dev.type == "cpu" else torch.float32
     o_ref, idx_ref = functional.nsa_attention(*(t.to(ref_dt) for t in inp.tensors().values()), c, backend="reference",
                                               q_start=S - 1, return_indices=True)
@@ -124,7 +124,7 @@ def run(ctx: Context) -> Check:
     for p in per:
         tag = f"B{p['B']}_S{p['S']}"
         c.metrics |= {f"{tag}_step_ms": p["sh"]["step_ms"], **{f"{tag}_{k}_pct": v for k, v in p["sh"]["pct"].items()}}
-    path = "GraphDecoder, CUDA graphs" if per and per[0]["decoder"] else "the module's forward and measure.core, eager"
+    path = "GraphDecoder, CUDA graphs" if per and per[0]["decoder"] else "the module's forward and measure.branches.core, eager"
     big = max(per, key=lambda p: (p["B"], p["S"]))
     pc = big["sh"]["pct"]
     c.figures = (f"B={big['B']} S={seq_label(big['S'])}: attention step {fmt_ms(big['sh']['step_ms'])} = cmp {pc['cmp']:.0f} % + "
