@@ -145,7 +145,8 @@ def test_unpack_up_prefix_per_gpu_sweep_down(debs, work, tmp_path):
 
         assert f"tracking.uri={uri} " in cmd
         sweep = subprocess.run(
-            [sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+            [sys.executable, *shlex.split(cmd)[1:]], cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=300)
         assert sweep.returncode == 0, sweep.stderr[-3000:]
         last = sweep.stderr.strip().splitlines()[-1]
         assert "jobs ran on GPUs" in last and "never two at once on one GPU" in last, last
