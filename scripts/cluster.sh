@@ -478,12 +478,29 @@ start_slurm() {
     local new_slurmd=0
     if ! running slurmd; then
         port_busy "$SLURMD_PORT" && die "port $SLURMD_PORT (slurmd) is taken by another program"
+        prepare_cgroup_v2
         # slurmd runs the slurmstepd of its build (/usr/sbin) unless told which: P's
         slurmd -f "$SLURM_CONF_FILE" ${PREFIX:+-d "$PREFIX/usr/sbin/slurmstepd"} || die "slurmd failed: $(tail -3 "$DIR/slurm/log/slurmd.log" 2>/dev/null)"
         new_slurmd=1
     fi
     wait_for 60 "the SLURM node" node_ready
     [ "$new_slurmd" = 0 ] || record_from_pidfile slurmd slurmd
+}
+
+# slurmd's cgroup/v2 plugin, on a unified hierarchy without systemd as init (the GPU boxes' VMs, containers),
+# makes slurmstepd's scope itself (cgroup.conf: IgnoreSystemdOnFailure) under /sys/fs/cgroup/system.slice,
+# which only systemd would have made, and wants the cpuset, cpu and memory controllers enabled below the root.
+prepare_cgroup_v2() {
+    [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ] || return 0
+    [ "$(cat /proc/1/comm 2>/dev/null)" != systemd ] || return 0
+    local c
+    install -d /sys/fs/cgroup/system.slice
+    for c in cpuset cpu memory; do
+        echo "+$c" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+        echo "+$c" > /sys/fs/cgroup/system.slice/cgroup.subtree_control 2>/dev/null || true
+    done
+    say "cgroup v2 without systemd: /sys/fs/cgroup/system.slice made, controllers" \
+        "$(cat /sys/fs/cgroup/system.slice/cgroup.subtree_control 2>/dev/null) enabled there"
 }
 
 node_ready() { sinfo -h -N -o '%T' | grep -q -E '^(idle|mixed|allocated)'; }
