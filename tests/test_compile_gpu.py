@@ -8,13 +8,20 @@ stream and the compiled graph on one; G = 4 with >= 512 query rows, so the selec
 its forward hands the plan (a data-dependent number of work items) to the backward; 10 selection blocks
 for n_sel = 4.
 
-Tolerance: rel-L2 2e-2. Inductor fuses the elementwise work around the kernels (RoPE, gates, casts) and
-rounds bf16 intermediates differently from eager, which may also move a near-tie of the top-n.
+Tolerance: the compiled layer's output and gradients are held against the same layer in float32 (same
+weights, same input): each may be at most twice as far from it as eager bf16 is, plus 1e-3 (FlashAttention's
+rule for its kernels against a float32 reference). Inductor fuses the elementwise work around the kernels
+(RoPE, gates, casts) and rounds bf16 intermediates differently from eager, which may also move a near-tie of
+the top-n: compiled against eager directly then differs by as much as either differs from float32 (2.1e-2
+on kv_proj.k_sel.weight on an H100, 2026-11-27), which a fixed bound cannot tell from an error. The forward
+without gradients is held to rel-L2 2e-2 of eager.
 
 Marked ``gpu`` (tests/conftest.py deselects it without CUDA). Its CPU twin, float32 through Triton's
 interpreter with aot_eager, plus each op's ``opcheck``: tests/test_compile.py.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -35,6 +42,7 @@ BF16 = torch.bfloat16
 CFG = NSAConfig(dim=256, n_heads=8, n_kv_heads=2, d_k=64, d_v=64, l=32, d=16, l_sel=64, n_sel=4, w=128)
 B, T = 2, 640
 TOL = 2e-2
+FLOOR = 1e-3  # where eager bf16 is (nearly) exact, what compiled rounding may still add
 # Gradients that are exactly zero: a bias of phi_k shifts every compressed key a query scores by the same
 # q.b, which no softmax sees (Eq. 7-8). In float64 its gradient is 2e-16 of phi_k.fc2.weight's; in bf16 each run
 # holds rounding noise (8e-4 of it in eager bf16 on the CPU), so compiled and eager share no digits there.
@@ -60,22 +68,30 @@ def _x(seed):
     return torch.randn(B, T, CFG.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(BF16)
 
 
+def _no_further(got, eager, ref, what):
+    """``got`` (compiled) at most twice as far from the float32 ``ref`` as ``eager`` (bf16) is, plus FLOOR."""
+    e1, e0 = rel_l2(got.float(), ref), rel_l2(eager.float(), ref)
+    assert e1 <= 2 * e0 + FLOOR, (what, f"compiled {e1:.3g} against eager bf16 {e0:.3g} from float32")
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_layer_compiles_fullgraph_with_inductor(backend):
     m, x = _layer(backend), _x(1)
+    y_ref, g_ref, gx_ref = _step(copy.deepcopy(m).float(), x.float())
     y0, g0, gx0 = _step(m, x)
     torch._dynamo.reset()
     with dispatch.record() as rec:
         y1, g1, gx1 = _step(m, x, torch.compile(m, fullgraph=True, backend="inductor"))
     assert rec.ran == {"cmp": backend, "sel": backend, "win": backend}, rec
-    assert y1.dtype == BF16 and rel_l2(y1, y0) <= TOL, rel_l2(y1, y0)
+    assert y1.dtype == BF16
+    _no_further(y1, y0, y_ref, "output")
     for name in g0:
-        if name in ZERO_GRAD:  # rounding noise in both runs: small against its layer's gradient
+        if name in ZERO_GRAD:  # rounding noise in every run: small against its layer's gradient
             for g in (g0, g1):
                 assert g[name].float().norm() <= TOL * g[ZERO_GRAD[name]].float().norm(), (name, g[name])
         else:
-            assert rel_l2(g1[name], g0[name]) <= TOL, (name, rel_l2(g1[name], g0[name]))
-    assert rel_l2(gx1, gx0) <= TOL, rel_l2(gx1, gx0)
+            _no_further(g1[name], g0[name], g_ref[name], name)
+    _no_further(gx1, gx0, gx_ref, "x.grad")
 
 
 def test_triton_layer_compiles_fullgraph_without_grad():
