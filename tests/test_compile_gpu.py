@@ -8,13 +8,14 @@ stream and the compiled graph on one; G = 4 with >= 512 query rows, so the selec
 its forward hands the plan (a data-dependent number of work items) to the backward; 10 selection blocks
 for n_sel = 4.
 
-Tolerance: the compiled layer's output and gradients are held against the same layer in float32 (same
-weights, same input): each may be at most twice as far from it as eager bf16 is, plus 1e-3 (FlashAttention's
-rule for its kernels against a float32 reference). Inductor fuses the elementwise work around the kernels
-(RoPE, gates, casts) and rounds bf16 intermediates differently from eager, which may also move a near-tie of
-the top-n: compiled against eager directly then differs by as much as either differs from float32 (2.1e-2
-on kv_proj.k_sel.weight on an H100, 2026-11-27), which a fixed bound cannot tell from an error. The forward
-without gradients is held to rel-L2 2e-2 of eager.
+Tolerance: compiled against eager, rel-L2 at most max(2e-2, e + 1e-3), where e is eager bf16's own distance
+from the same layer in float32 (same weights, same input), measured in the test: compiled may differ from
+eager by as much as bf16 differs from float32, never by less than 2e-2 allowed. Inductor fuses the elementwise
+work around the kernels (RoPE, gates, casts) and rounds bf16 intermediates differently from eager, which may
+also move a near-tie of the top-n: on an H100 (2026-11-27) compiled and eager [reference] differed by 2.1e-2 on
+kv_proj.k_sel.weight's gradient, where bf16 and float32 differ by ~3e-2 (and by 0.14 on v_sel's, measured
+on the CPU: with random weights the compressed scores hold many near-ties). The forward without gradients is
+held to rel-L2 2e-2 of eager.
 
 Marked ``gpu`` (tests/conftest.py deselects it without CUDA). Its CPU twin, float32 through Triton's
 interpreter with aot_eager, plus each op's ``opcheck``: tests/test_compile.py.
@@ -42,7 +43,7 @@ BF16 = torch.bfloat16
 CFG = NSAConfig(dim=256, n_heads=8, n_kv_heads=2, d_k=64, d_v=64, l=32, d=16, l_sel=64, n_sel=4, w=128)
 B, T = 2, 640
 TOL = 2e-2
-FLOOR = 1e-3  # where eager bf16 is (nearly) exact, what compiled rounding may still add
+FLOOR = 1e-3
 # Gradients that are exactly zero: a bias of phi_k shifts every compressed key a query scores by the same
 # q.b, which no softmax sees (Eq. 7-8). In float64 its gradient is 2e-16 of phi_k.fc2.weight's; in bf16 each run
 # holds rounding noise (8e-4 of it in eager bf16 on the CPU), so compiled and eager share no digits there.
@@ -68,10 +69,11 @@ def _x(seed):
     return torch.randn(B, T, CFG.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(BF16)
 
 
-def _no_further(got, eager, ref, what):
-    """``got`` (compiled) at most twice as far from the float32 ``ref`` as ``eager`` (bf16) is, plus FLOOR."""
-    e1, e0 = rel_l2(got.float(), ref), rel_l2(eager.float(), ref)
-    assert e1 <= 2 * e0 + FLOOR, (what, f"compiled {e1:.3g} against eager bf16 {e0:.3g} from float32")
+def _close(got, eager, ref, what):
+    """``got`` (compiled) within max(TOL, e + FLOOR) of ``eager`` (bf16), e eager's distance from ``ref`` (float32)."""
+    e = rel_l2(eager.float(), ref)
+    err = rel_l2(got, eager)
+    assert err <= max(TOL, e + FLOOR), (what, f"compiled {err:.3g} from eager; eager bf16 {e:.3g} from float32")
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -84,14 +86,14 @@ def test_layer_compiles_fullgraph_with_inductor(backend):
         y1, g1, gx1 = _step(m, x, torch.compile(m, fullgraph=True, backend="inductor"))
     assert rec.ran == {"cmp": backend, "sel": backend, "win": backend}, rec
     assert y1.dtype == BF16
-    _no_further(y1, y0, y_ref, "output")
+    _close(y1, y0, y_ref, "output")
     for name in g0:
         if name in ZERO_GRAD:  # rounding noise in every run: small against its layer's gradient
             for g in (g0, g1):
                 assert g[name].float().norm() <= TOL * g[ZERO_GRAD[name]].float().norm(), (name, g[name])
         else:
-            _no_further(g1[name], g0[name], g_ref[name], name)
-    _no_further(gx1, gx0, gx_ref, "x.grad")
+            _close(g1[name], g0[name], g_ref[name], name)
+    _close(gx1, gx0, gx_ref, "x.grad")
 
 
 def test_triton_layer_compiles_fullgraph_without_grad():
