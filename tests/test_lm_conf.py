@@ -100,6 +100,9 @@ def test_needles32k_preset(attention):
     assert len({t.vocab_size for _, t, _ in run.stages()}) == 1 and run.lm.attention_config().rope_base == 5e5
     main = run.stages()[-1][1]
     assert main.gap >= run.lm.n_layers * (run.lm.attention_config().w - 1)  # out of the window stack's reach
+    # the switches that made NSA learn it (BENCHMARKS.md): shared K/V, mean pooling, gates held through 8k
+    cfg = run.lm.attention_config()
+    assert (cfg.shared_kv, cfg.phi, run.train.gates_open_steps) == (True, "avg", 1100)
 
 
 def test_the_framework_validates_train_with_the_library():
