@@ -16,7 +16,7 @@ gives what it gives (tests/test_decode_gpu_path.py).
 Design: the positions live in a device tensor ``_pos`` ``[B]``, one per sequence (all equal in a
 uniform batch; after a packed prefill each row at its own length: a ragged batch, spec "Module
 level"); the step projects (one GEMM for q, the six branch keys/values and the gate's first Linear),
-then the backend's prologue kernels (``tuning.decode.prologue=triton``: nsa/backends/triton/step.py)
+then the backend's prologue kernels (``tuning.decode.prologue=triton``: nsa/backends/triton/decode_prologue.py)
 apply RoPE at each row's position, write the new raw tokens there, compute the gates and, for the
 rows whose compression block completes (t = i*d + l - 1), phi into compressed row i. The reference
 path of that prologue (``prologue=torch``) is torch ops: the module's RoPE (``nsa.module.apply_rope``)

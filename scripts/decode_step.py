@@ -6,7 +6,7 @@
 For each model (conf/model/<name>.yaml) and context S: a bf16 layer, a cache of S-1 random tokens and one
 step at position S-1 (``advance=False``: a block completes there when S is a multiple of d, as in
 ``experiments.decode``) and at S-2 (no block completes). Variants: ``tuning.decode.prologue`` torch (the
-reference path: torch ops) and triton (nsa/backends/triton/step.py), and with ``--compile`` the torch
+reference path: torch ops) and triton (nsa/backends/triton/decode_prologue.py), and with ``--compile`` the torch
 prologue under ``torch.compile`` (inductor). Each variant's output, gates and compressed caches are checked
 against the torch prologue's (rel-L2); then timed as CUDA graphs of ``--reps`` steps (median of
 ``--repeats`` replays, divided by reps), beside the attention kernels alone, the two GEMMs alone (the

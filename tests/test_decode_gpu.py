@@ -170,7 +170,7 @@ def test_ragged_replays_equal_each_sequence_alone_and_the_reference(mode):
 @pytest.mark.parametrize("phi,gate_hidden,d_v", [("mlp", 64, 128), ("avg", 0, 64)], ids=["mlp-gateMLP", "avg-gate-Dv64"])
 def test_triton_prologue_replays_match_the_torch_prologue(phi, gate_hidden, d_v, capsys):
     """The layer step with the prologue kernels (tuning.decode.prologue=triton: RoPE, cache writes, phi,
-    gates in nsa/backends/triton/step.py), replayed from a CUDA graph, against eager steps with the torch
+    gates in nsa/backends/triton/decode_prologue.py), replayed from a CUDA graph, against eager steps with the torch
     prologue (the reference path), over a ragged batch and 40 steps: blocks complete at each row's own
     positions. Outputs per step, and at the end every cache the steps wrote."""
     cfg = NSAConfig(dim=256, n_heads=16, n_kv_heads=4, d_k=128, d_v=d_v, phi=phi, gate_hidden=gate_hidden)

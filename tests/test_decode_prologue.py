@@ -1,4 +1,4 @@
-"""The decode step's prologue kernels (nsa/backends/triton/step.py: RoPE, cache writes, phi, gates after
+"""The decode step's prologue kernels (nsa/backends/triton/decode_prologue.py: RoPE, cache writes, phi, gates after
 the one input GEMM; ``tuning.decode.prologue=triton``) against the torch prologue (``prologue=torch``, the
 reference path of ``nsa.decode.GraphDecoder``), through the Triton interpreter on CPU tensors, float32.
 
@@ -25,7 +25,7 @@ from test_decode_gpu_path import TOL
 
 from nsa import NSAAttention, NSAConfig
 from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning
-from nsa.backends.triton import step as step_kernels
+from nsa.backends.triton import decode_prologue as step_kernels
 from nsa.decode import GraphDecoder
 
 _OLD_INTERPRETER = triton_unsupported()

@@ -728,7 +728,7 @@ class DecodeKernels:
         # the layer step's RoPE, cache writes, phi and gates (GraphDecoder; None: its torch ops)
         self.prologue = None
         if p["prologue"] == "triton":
-            from .step import StepPrologue
+            from .decode_prologue import StepPrologue
 
             self.prologue = StepPrologue(c, B, device, dtype, pdl=p["pdl"], warps=p["warps"], prec=self.prec)
         if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums

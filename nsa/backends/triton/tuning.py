@@ -116,7 +116,7 @@ KEYS: dict[str, dict[str, tuple[Any, str]]] = {
                                "power of two); None: about 2 programs an SM, at least 16 dims each"),
         "prologue": (("triton", "torch"),
                      "GraphDecoder's layer step between its input GEMM and the attention (RoPE, cache writes, phi, "
-                     "gates): two Triton kernels (nsa/backends/triton/step.py), or the torch ops of the reference "
+                     "gates): two Triton kernels (nsa/backends/triton/decode_prologue.py), or the torch ops of the reference "
                      "path"),
     },
 }
