@@ -85,7 +85,7 @@ def cp_work(job: Job) -> Result:
     torch.manual_seed(int(job.cfg.seed) + 1 + g.rank)  # this rank's tokens: its own draw
     with torch.no_grad():
         x = torch.randn(B, S // g.world, c.dim, device=dev, dtype=dt)
-        q, kv, gates = layer._project(x, cp.positions(S, g.rank, g.world, dev))
+        q, kv, gates = layer.project(x, cp.positions(S, g.rank, g.world, dev))
     names = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win")
     leaves = [t.detach().requires_grad_(True) for t in (q, *(kv[n] for n in names), gates)]
     del x, q, kv, gates

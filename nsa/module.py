@@ -236,8 +236,19 @@ class NSAAttention(nn.Module):
         with torch.no_grad():  # the logits are laid out [.., HQ, 3]: head-major, branch (cmp, sel, win) minor
             last.bias.copy_(torch.tensor(self.config.gate_bias, dtype=last.bias.dtype).repeat(self.config.n_heads))
 
-    # ---------------------------------------------------------------------------------------
-    def _project(self, x: torch.Tensor, pos: torch.Tensor):
+    # The steps of forward, public for the benchmarks that time the attention core alone (experiments/measure)
+    # and for context parallelism: project, compress, append_to_cache, then nsa.functional.nsa_attention.
+    def project(self, x: torch.Tensor, pos: torch.Tensor):
+        """The attention inputs of ``x``: queries, the raw keys/values of each branch, and the gates.
+
+        Arguments:
+            x: (B, T, dim).
+            pos: (T,) int, each token's position (RoPE rotates q and every branch's keys).
+        Returns:
+            q: (B, T, HQ, Dk); kv: dict of ``k_cmp_raw``, ``k_sel``, ``k_win`` (B, T, H, Dk) and ``v_cmp_raw``,
+            ``v_sel``, ``v_win`` (B, T, H, Dv) (one tensor for all three with shared_kv); gates: (B, T, HQ, 3),
+            Eq. 5's g in the order (cmp, sel, win).
+        """
         c = self.config
         B, T, _ = x.shape
         H = c.n_kv_heads
@@ -262,7 +273,9 @@ class NSAAttention(nn.Module):
         gates = torch.sigmoid(self.gate(x)).view(B, T, c.n_heads, 3)  # Eq. 5's g, order (cmp, sel, win)
         return q, kv, gates
 
-    def _compress(self, k_raw, v_raw, docs=None):
+    def compress(self, k_raw, v_raw, docs=None):
+        """Eq. 7's compressed keys and values (B, n_cmp(T), H, D) from the raw ones (B, T, H, D), with the
+        layer's phi; ``docs``: packed documents (nsa.varlen.Varlen or cu_seqlens), each compressed alone."""
         return (functional.compress(k_raw, self.config, self.phi_k, cu_seqlens=docs),
                 functional.compress(v_raw, self.config, self.phi_v, cu_seqlens=docs))
 
@@ -326,14 +339,14 @@ class NSAAttention(nn.Module):
             return forward_rows(self, x, cache)
         start = 0 if cache is None or docs is not None else cache.length
         pos = torch.arange(start, start + T, device=x.device) if docs is None else docs.row_pos(x.device)
-        q, kv, gates = self._project(x, pos)
+        q, kv, gates = self.project(x, pos)
         if cache is None or docs is not None:
-            k_cmp, v_cmp = self._compress(kv["k_cmp_raw"], kv["v_cmp_raw"], docs)
+            k_cmp, v_cmp = self.compress(kv["k_cmp_raw"], kv["v_cmp_raw"], docs)
             keys = dict(k_sel=kv["k_sel"], v_sel=kv["v_sel"], k_win=kv["k_win"], v_win=kv["v_win"])
             if cache is not None:
                 self._fill_rows(cache, x, kv, k_cmp, v_cmp, docs)
         else:
-            k_cmp, v_cmp, keys = self._append(cache, x, kv)
+            k_cmp, v_cmp, keys = self.append_to_cache(cache, x, kv)
         o = functional.nsa_attention(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"],
                                      keys["v_win"], gates, c, backend=self.backend, q_start=start,
                                      fallback=self.fallback, streams=self.streams, cu_seqlens=docs)
@@ -359,7 +372,7 @@ class NSAAttention(nn.Module):
                 raise ValueError(f"x: expected [1,2C,{c.dim}] with cu_seqlens (documents packed along the token "
                                  f"axis), got {tuple(x.shape)}")
             docs.check_total(T2 * world, f"the whole sequence (x's 2C={T2} tokens x {world} ranks)")
-        q, kv, gates = self._project(x, cp.positions(T2 * world, rank, world, x.device, cu_seqlens=docs))
+        q, kv, gates = self.project(x, cp.positions(T2 * world, rank, world, x.device, cu_seqlens=docs))
         o = cp.nsa_attention(q, kv["k_cmp_raw"], kv["v_cmp_raw"], kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"],
                              gates, c, phi_k=self.phi_k, phi_v=self.phi_v, group=group, backend=self.backend,
                              fallback=self.fallback, cu_seqlens=docs)
@@ -396,9 +409,11 @@ class NSAAttention(nn.Module):
             cache.v_cmp[i, :nc] = v_cmp[0, c0:c0 + nc]
             c0 += nc
 
-    def _append(self, cache: NSACache, x: torch.Tensor, kv: dict):
-        """Write the new tokens into the cache and emit the compressed tokens whose block just
-        completed (i with i*d + l - 1 in [start, end)). Returns the cached views to attend to."""
+    def append_to_cache(self, cache: NSACache, x: torch.Tensor, kv: dict):
+        """Write the new tokens ``x`` (B, T, dim) with their keys/values ``kv`` (:meth:`project`'s) into the
+        cache at its length (which the caller then advances by T) and emit the compressed tokens whose block
+        just completed (i with i*d + l - 1 in [start, end)). Returns the cached views to attend to:
+        k_cmp, v_cmp (B, n_cmp(end), H, D) and a dict of k_sel, v_sel, k_win, v_win (B, end, H, D)."""
         c = self.config
         B, T, _ = x.shape
         start, end = cache.length, cache.length + T
@@ -412,7 +427,7 @@ class NSAAttention(nn.Module):
         i0, i1 = c.n_cmp(start), c.n_cmp(end)
         if i1 > i0:
             span = slice(i0 * c.d, (i1 - 1) * c.d + c.l)
-            k_new, v_new = self._compress(cache.k_cmp_raw[:, span], cache.v_cmp_raw[:, span])
+            k_new, v_new = self.compress(cache.k_cmp_raw[:, span], cache.v_cmp_raw[:, span])
             cache.k_cmp[:, i0:i1] = k_new
             cache.v_cmp[:, i0:i1] = v_new
         keys = {n: getattr(cache, n)[:, :end] for n in ("k_sel", "v_sel", "k_win", "v_win")}

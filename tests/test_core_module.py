@@ -95,8 +95,8 @@ def test_chunked_decode_equals_prefill(phi, pattern):
     # The compressed stream in the cache equals the one prefill builds.
     with torch.no_grad():
         pos = torch.arange(T)
-        _, kv, _ = layer._project(x, pos)
-        k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+        _, kv, _ = layer.project(x, pos)
+        k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
     assert (cache.k_cmp - k_cmp).abs().max().item() <= TOL
     assert (cache.v_cmp - v_cmp).abs().max().item() <= TOL
 

@@ -68,13 +68,13 @@ def _layer(seed=0):
 
 
 def test_recomputed_projections_reproduce_the_layer():
-    """selection_quality reaches the layer's queries and keys through NSAAttention._project / _compress:
+    """selection_quality reaches the layer's queries and keys through NSAAttention.project / _compress:
     with them, nsa_attention gives the layer's own output, so the blocks measured are the layer's."""
     layer = _layer()
     x = torch.randn(2, 60, 24)
     T = x.shape[1]
-    q, kv, gates = layer._project(x, torch.arange(T))
-    k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    q, kv, gates = layer.project(x, torch.arange(T))
+    k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
     o = functional.nsa_attention(q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, layer.config)
     torch.testing.assert_close(layer.o_proj(o.flatten(2)), layer(x), rtol=0, atol=0)
 
@@ -88,8 +88,8 @@ def test_selection_quality_matches_a_plain_loop():
     answers = torch.rand(B, rows, generator=torch.Generator().manual_seed(3)) < 0.3
     got = probes.selection_quality(layer, x, rows, answers)
     with torch.no_grad():
-        q, kv, _ = layer._project(x, torch.arange(T))
-        k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+        q, kv, _ = layer.project(x, torch.arange(T))
+        k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
         _, idx = functional.nsa_attention(q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"],
                                           torch.rand(B, T, c.n_heads, 3), c, return_indices=True)
     G = c.G
@@ -186,9 +186,9 @@ def test_hold_gates_open():
     c = layer.config
     x = torch.randn(2, 30, 24, generator=torch.Generator().manual_seed(4))
     held = probes.HoldGatesOpen([layer])
-    q, kv, gates = layer._project(x, torch.arange(30))
+    q, kv, gates = layer.project(x, torch.arange(30))
     assert gates.detach().mean() < 0.9  # its own gates are not all open
-    k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
     branches = (q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"])
     ones = layer.o_proj(functional.nsa_attention(*branches, torch.ones_like(gates), c).flatten(2))
     own = layer.o_proj(functional.nsa_attention(*branches, gates, c).flatten(2))

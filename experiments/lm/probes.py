@@ -170,8 +170,8 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
 
     The blocks are those the reference top-n picks from the float32 compressed scores: a GPU
     backend's bf16 forward picks the same blocks except at near-ties of scores. The layer's
-    projections are reached through ``NSAAttention._project`` / ``_compress`` (no public API returns
-    its queries or keys yet); ``tests/test_lm_probes.py`` holds the recomputation to the layer's
+    projections are reached through ``NSAAttention.project`` / ``compress`` (the forward returns
+    no queries or keys); ``tests/test_lm_probes.py`` holds the recomputation to the layer's
     own forward. Rows start at T - rows, which must leave more than n_sel candidate blocks."""
     c = layer.config
     B, T, _ = x.shape
@@ -180,8 +180,8 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
         raise ValueError(f"selection_quality: rows={rows} of T={T}: needs 1 <= rows <= T - n_sel * l_sel = "
                          f"{T - c.n_sel * c.l_sel} (every row must have more than n_sel candidate blocks)")
     with torch.autocast(x.device.type, enabled=False):
-        q, kv, _ = layer._project(x.float(), torch.arange(T, device=x.device))
-        k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+        q, kv, _ = layer.project(x.float(), torch.arange(T, device=x.device))
+        k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
     q = q[:, r0:]
     _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c, q_start=r0)
     idx = functional.select_blocks(functional.selection_scores(p_cmp, c, c.n_blocks(T)), c, q_start=r0)

@@ -75,10 +75,10 @@ class ForcedBranch(nn.Module):
         start = 0 if cache is None else cache.length
         q, kv, gates = project(L, x, start)
         if cache is None:
-            k_cmp, v_cmp = L._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+            k_cmp, v_cmp = L.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
             keys = {n: kv[n] for n in ("k_sel", "v_sel", "k_win", "v_win")}
         else:
-            k_cmp, v_cmp, keys = L._append(cache, x, kv)
+            k_cmp, v_cmp, keys = L.append_to_cache(cache, x, kv)
         inp = CoreInputs(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"], keys["v_win"], gates, start)
         plan = dispatch.resolve(L.backend)
         o = core(self.branch, inp, c, plan, L.fallback)

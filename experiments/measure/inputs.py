@@ -31,7 +31,7 @@ class CoreInputs:
 def project(layer: NSAAttention, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The layer's queries, per-branch raw keys/values and gates for tokens x at positions start.."""
     pos = torch.arange(start, start + x.shape[1], device=x.device)
-    return layer._project(x, pos)
+    return layer.project(x, pos)
 
 
 def fill_per_seq(tokens: int, batch: int) -> int:
@@ -49,14 +49,14 @@ def fill_cache(layer: NSAAttention, cache, n: int, tokens: int) -> None:
     per = fill_per_seq(tokens, cache.batch_size)
     for start in range(0, n, per):
         xc = torch.randn(cache.batch_size, min(per, n - start), layer.config.dim, device=p.device, dtype=p.dtype)
-        layer._append(cache, xc, project(layer, xc, start)[1])
+        layer.append_to_cache(cache, xc, project(layer, xc, start)[1])
         cache.length = start + xc.shape[1]
 
 
 def prefill_inputs(layer: NSAAttention, x: torch.Tensor) -> CoreInputs:
     """Core inputs of a whole-sequence (prefill) call: q, compressed and raw keys from the layer."""
     q, kv, gates = project(layer, x)
-    k_cmp, v_cmp = layer._compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
     return CoreInputs(q, k_cmp, v_cmp, kv["k_sel"], kv["v_sel"], kv["k_win"], kv["v_win"], gates, 0)
 
 
