@@ -285,22 +285,49 @@ def compressed_branch(q, k_cmp, v_cmp, config: NSAConfig, *, scale=None, q_start
 # --------------------------------------------------------------------------------------------
 # Gathered attention: the selected (spec step 5) and sliding (step 6) branches
 # --------------------------------------------------------------------------------------------
-def _gather_attend(q, k, v, tok, valid, scale, finite=True):
+def _gather_tokens(x, tok):
+    """x[b, tok[b,t,h,n], h] for every (b,t,h,n): x ``[B,S,H,D]``, tok ``[B,c,H,N]`` in [0, S) -> ``[B,c,H,N,D]``.
+
+    ``index_select`` over x's (b, s, h) rows: the values of advanced indexing ``x[b, tok, h]``, and in
+    backward the same sums in the same order, but ``index_add_`` instead of ``index_put_`` with
+    accumulation, which on the CPU took most of a training step's time (BENCHMARKS.md, issue 29)."""
+    B, S, H, D = x.shape
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    h = torch.arange(H, device=x.device)[None, None, :, None]
+    rows = (b * S + tok) * H + h
+    return x.reshape(B * S * H, D).index_select(0, rows.flatten()).view(*tok.shape, D)
+
+
+def _gather_blocks(x, idx, l_blk: int):
+    """The tokens of whole blocks: x ``[B,S,H,D]``, idx ``[B,c,H,n]`` block numbers in [0, ceil(S / l_blk))
+    -> ``[B,c,H,n*l_blk,D]``, block j's tokens j*l_blk .. (j+1)*l_blk-1 (zeros past S) in order.
+
+    ``_gather_tokens`` of those positions, but one ``index_select`` row per block instead of per token
+    (far cheaper on the CPU); the same values, and in backward the same sums in the same order."""
+    B, S, H, D = x.shape
+    nb = -(-S // l_blk)
+    xb = F.pad(x, (0, 0, 0, 0, 0, nb * l_blk - S)).unflatten(1, (nb, l_blk)).transpose(2, 3)  # [B,nb,H,l_blk,D]
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    h = torch.arange(H, device=x.device)[None, None, :, None]
+    rows = (b * nb + idx) * H + h
+    out = xb.reshape(B * nb * H, l_blk * D).index_select(0, rows.flatten())
+    return out.view(*idx.shape[:3], idx.shape[3] * l_blk, D)
+
+
+def _gather_attend(q, k, v, gather, valid, scale, finite=True):
     """Attention of each query over its own key list.
 
-    q ``[B,c,HQ,Dk]``; tok ``[B,c,H,N]`` key positions (any value where not valid); valid same
-    shape. Every query must have at least one valid key. Returns ``[B,c,HQ,Dv]``. ``finite``: k and v
-    hold no NaN or Inf (else the gathered entries that are not valid are zeroed before any product).
+    q ``[B,c,HQ,Dk]``; ``gather(x)`` maps keys or values ``[B,S,H,D]`` to each query's list ``[B,c,H,N,D]``
+    (any entry where not valid); valid ``[B,c,H,N]``. Every query must have at least one valid key.
+    Returns ``[B,c,HQ,Dv]``. ``finite``: k and v hold no NaN or Inf (else the gathered entries that are
+    not valid are zeroed before any product).
     """
     B, c, HQ, Dk = q.shape
     H = k.shape[2]
     G = HQ // H
     acc = _acc_dtype(q.dtype)
-    tok = tok.clamp(0, k.shape[1] - 1)
-    b = torch.arange(B, device=q.device)[:, None, None, None]
-    h = torch.arange(H, device=q.device)[None, None, :, None]
-    kg = k[b, tok, h].to(acc)  # [B,c,H,N,Dk]
-    vg = v[b, tok, h].to(acc)  # [B,c,H,N,Dv]
+    kg = gather(k).to(acc)  # [B,c,H,N,Dk]
+    vg = gather(v).to(acc)  # [B,c,H,N,Dv]
     if not finite:
         # A masked entry's probability is 0, but 0 x NaN is NaN: masked keys/values are selected away
         # before the products, so a non-finite one reaches only the rows that attend to it.
@@ -343,7 +370,13 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
         t = pos[c0:c1][None, :, None, None]
         start, n = (0, S) if varlen is None else _doc_rows(varlen, c0, c1, q.device)
         valid = (idx[..., None] >= 0).expand(*idx.shape, ls).flatten(-2) & (tok <= t) & (tok < n)
-        return _gather_attend(q[:, c0:c1], k_sel, v_sel, tok + start, valid, scale, finite)
+        if varlen is None:  # blocks start at multiples of l_sel: gathered whole
+            def gather(x):
+                return _gather_blocks(x, idx.clamp(min=0), ls)
+        else:
+            def gather(x):
+                return _gather_tokens(x, (tok + start).clamp(0, S - 1))
+        return _gather_attend(q[:, c0:c1], k_sel, v_sel, gather, valid, scale, finite)
 
     per_query = 4 * B * H * indices.shape[-1] * ls * (k_sel.shape[3] + v_sel.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_sel, v_sel)
@@ -363,7 +396,10 @@ def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, 
     def chunk(c0, c1, q, k_win, v_win):
         tok = (pos[c0:c1, None] + off)[None, :, None, :].expand(B, c1 - c0, H, w)
         start = 0 if varlen is None else _doc_rows(varlen, c0, c1, q.device)[0]
-        return _gather_attend(q[:, c0:c1], k_win, v_win, tok + start, tok >= 0, scale, finite)
+
+        def gather(x):
+            return _gather_tokens(x, (tok + start).clamp(0, x.shape[1] - 1))
+        return _gather_attend(q[:, c0:c1], k_win, v_win, gather, tok >= 0, scale, finite)
 
     per_query = 4 * B * H * w * (k_win.shape[3] + v_win.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_win, v_win)

@@ -134,4 +134,5 @@ def test_needles_smoke_preset(attention):
     acfg = run.lm.attention_config()
     assert task.gap >= run.lm.n_layers * (acfg.w - 1)
     assert (acfg.shared_kv, acfg.phi, acfg.n_sel) == (True, "avg", 8)
-    assert run.train.gates_open_steps == run.train.steps == 600 and run.dtype == "float32"
+    # a gate warm-up: held at 1 for the first half of the run, free after it
+    assert (run.train.steps, run.train.gates_open_steps) == (600, 300) and run.dtype == "float32"
