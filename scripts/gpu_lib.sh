@@ -3,8 +3,12 @@
 # Needs the wheelhouse (python scripts/wheelhouse.py --dest .whl).
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 case "$OUT" in /*) ;; *) OUT="$PWD/$OUT";; esac
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheelhouse install failed"; exit 1; }
+# install_wheels <wheel files>: into /tmp/site, offline (the scripts put it first on PYTHONPATH)
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@" \
+    || { echo "wheelhouse install failed: $*"; exit 1; }
+}
+install_wheels .whl/*.whl
 export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
 # The multi-GPU boxes' rule: NVLink multicast stays off (it can take the host's shared GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

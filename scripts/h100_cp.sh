@@ -34,7 +34,7 @@ if has one; then
   done
 fi
 if has slurm; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .debs/wheels/*.whl
+  install_wheels .debs/wheels/*.whl
   if scripts/cluster.sh unpack .debs /tmp/slurm >/dev/null && scripts/cluster.sh up --prefix /tmp/slurm --no-tracking --dir /tmp/cl; then
     # shellcheck disable=SC1091
     . /tmp/cl/slurm.env

@@ -11,34 +11,31 @@
 #                                             STEPS=train [TRAIN=needles32k ATTN=nsa,dense] experiments.train;
 #                                             STEPS=groups: whole NSA prefill at G = 1, 2, 4, 8, 16)
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheelhouse install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true  # the box has no network
-TRK="tracking.uri=sqlite:///$PWD/$OUT/mlflow.db"
-[ "${OUT#/}" != "$OUT" ] && TRK="tracking.uri=sqlite:///$OUT/mlflow.db"
-SEQS=${SEQS:-8192,16384,32768,65536}
-run() { local t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" 2>&1 | grep -v "INFO mlflow" | tee -a "$OUT/log.txt" | tail -n 30; }
 # The hardware profile: auto (the profile matching the card found: the device tool may lend an H100 for
 # an H200 call) unless HW names one, which must then match the card.
 HW=${HW:-auto}
+source scripts/gpu_lib.sh
+export PYTHONPATH=/tmp/site:$PWD
+TRK="tracking.uri=sqlite:///$OUT/mlflow.db"
+SEQS=${SEQS:-8192,16384,32768,65536}
+# step <seconds> args...: python3 args, the output's last 30 lines printed, all of it in $OUT/log.txt
+step() { local t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" 2>&1 | grep -v "INFO mlflow" | tee -a "$OUT/log.txt" | tail -n 30; }
 STEPS=${STEPS:-prefill decode parity}  # any subset, e.g. STEPS=prefill
-has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
-has prefill && run "${T_PREFILL:-170}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
+has prefill && step "${T_PREFILL:-170}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.timing.warmup=2 model.timing.repeats=8 ${PREFILL_ARGS:-}
-has decode && run "${T_DECODE:-130}" -m experiments.decode -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
+has decode && step "${T_DECODE:-130}" -m experiments.decode -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="$SEQS" \
     model.batch=64 model.timing.warmup=5 model.timing.repeats=50
-has kernels && run "${T_KERNELS:-500}" -m experiments.kernels -m hardware="$HW" "$TRK" seq="$SEQS" \
+has kernels && step "${T_KERNELS:-500}" -m experiments.kernels -m hardware="$HW" "$TRK" seq="$SEQS" \
     op="${OPS:-selection,compressed,topn,window,gate,layer,decode}" ${KERNELS_ARGS:-}
-has validate && run "${T_VALIDATE:-560}" -m experiments.validate hardware="$HW" "$TRK" "hydra.run.dir=$OUT/validate" \
+has validate && step "${T_VALIDATE:-560}" -m experiments.validate hardware="$HW" "$TRK" "hydra.run.dir=$OUT/validate" \
     ${VALIDATE_ARGS:-}
-has train && run "${T_TRAIN:-570}" -m experiments.train hardware="$HW" train="${TRAIN:-needles32k}" "$TRK" \
+has train && step "${T_TRAIN:-570}" -m experiments.train hardware="$HW" train="${TRAIN:-needles32k}" "$TRK" \
     -m attention="${ATTN:-nsa,dense}" ${TRAIN_ARGS:-}
 # the small-group table: whole NSA at HQ=64 on H = 64..4 key/value heads (G = 1..16), one process per job
-has groups && run "${T_GROUPS:-420}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" \
+has groups && step "${T_GROUPS:-420}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" \
     seq="${GROUP_SEQS:-16384,65536}" model.nsa.n_kv_heads=64,32,16,8,4 prefill.per_branch=false \
     prefill.dense_flash=false "prefill.peers=[]" model.timing.warmup=2 model.timing.repeats=8
-for part in sel compile varlen; do has diag && run "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
-has parity && run "${T_PARITY:-100}" -m experiments.parity -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
+for part in sel compile varlen; do has diag && step "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
+has parity && step "${T_PARITY:-100}" -m experiments.parity -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" --exclude="*.pt" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive (no checkpoints)
 ls -la "$OUT"

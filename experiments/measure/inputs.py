@@ -9,7 +9,6 @@ import torch
 from nsa import NSAAttention
 
 
-
 @dataclass
 class CoreInputs:
     """Attention inputs of one layer call: queries at q_start.., the cached/whole keys."""
