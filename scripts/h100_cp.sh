@@ -5,7 +5,7 @@
 #     parity: torchrun experiments.parity parallel.cp=NGPU parity.batch=1 at PARITY_SEQ (default 131072): cp_max_rel_err,
 #             the output and every gradient against the one-device run of the same backends, bf16
 #     cp:     torchrun experiments.prefill parallel.cp=NGPU at CP_SEQS (default 131072 262144 524288): per-rank
-#             fwd and fwd+bwd, the all-gather's share, peak memory
+#             fwd and fwd+bwd, the all-gather's share, peak memory (CP_TIMEOUT seconds each, default 200)
 #     one:    experiments.prefill on one GPU at ONE_SEQS (default 131072 262144 524288), NSA and dense cuDNN,
 #             the baseline of the scaling efficiency (a length one GPU cannot hold fails with its message)
 #     slurm:  the SLURM per_gpu launcher from the .deb files carried in .debs (scripts/cluster.sh fetch .debs;
@@ -24,7 +24,7 @@ if has parity; then
 fi
 if has cp; then
   for S in ${CP_SEQS:-131072 262144 524288}; do
-    run 200 cp "$PWD" "${TR[@]}" -- -m experiments.prefill parallel.cp="$NGPU" "${COMMON[@]}" seq="$S"
+    run "${CP_TIMEOUT:-200}" cp "$PWD" "${TR[@]}" -- -m experiments.prefill parallel.cp="$NGPU" "${COMMON[@]}" seq="$S"
   done
 fi
 if has one; then
