@@ -135,3 +135,23 @@ def test_the_rule(monkeypatch):
         parallel.check_job(4, 60, "none")
     with pytest.raises(ConfigError, match="branch_force=sel: parallel.cp > 1 runs the gated sum of all branches"):
         parallel.check_job(2, 64, "sel")
+
+
+def documented_torchrun() -> list[str]:
+    """Every ``torchrun ... -m experiments.<entry> ...`` line of the README's and docs/' shell blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", entrypoints.doc_text(), re.S)
+    return sorted({ln.strip() for b in blocks for ln in b.splitlines() if ln.strip().startswith("torchrun ")})
+
+
+@pytest.mark.parametrize("line", documented_torchrun())
+def test_documented_torchrun_lines_compose(line):
+    """The GPU lines (hardware=h100, 4 ranks) cannot run here; their arguments compose through the real CLI
+    (``--cfg job``: a typo'd key or group fails in one line), and --nproc_per_node equals parallel.cp."""
+    launcher, rest = line.split(" -m experiments.", 1)
+    entry, *args = rest.split()
+    nproc = re.search(r"--nproc_per_node (\d+)", launcher).group(1)
+    assert f"parallel.cp={nproc}" in args, line
+    p = subprocess.run([sys.executable, "-m", f"experiments.{entry}", *args, "--cfg", "job"], cwd=entrypoints.REPO,
+                       env=entrypoints.env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert re.search(rf"^parallel:\n(  .*\n)*  cp: {nproc}$", p.stdout, re.M), p.stdout[-2000:]
