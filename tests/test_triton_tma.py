@@ -131,14 +131,16 @@ def test_descriptors_only_where_they_apply():
     assert not tma_ok(True, None, 2, 2, torch.zeros(2, 0, 4, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tma", [True, False])
-def test_stages_follow_the_load_path(monkeypatch, tma):
+def test_stages_follow_the_load_path(monkeypatch, tma, dtype):
     """``stages=None`` (the CUDA table's value for the compressed forward and the compressed/window
-    backward): 3 stages through descriptors, 2 with pointer loads (3 exceed shared memory there)."""
+    backward): 3 stages through descriptors, 2 with pointer loads (3 exceed shared memory there); one
+    fewer for float32 (its window backward at Dk=64 asked an H100 for 258 KiB at 3 stages)."""
     cfg = _cfg(4, 2, 16, 16, l_sel=8, n_sel=3)
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 20, 4, 16, generator=g, requires_grad=True)
-    k, v = (torch.randn(1, cfg.n_cmp(20), 2, 16, generator=g, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, 20, 4, 16, generator=g).to(dtype).requires_grad_(True)
+    k, v = (torch.randn(1, cfg.n_cmp(20), 2, 16, generator=g).to(dtype).requires_grad_(True) for _ in range(2))
     seen = []
     for mod, name in ((compressed, "_fwd_kernel"), (attention_bwd, "_bwd_dq_kernel"), (attention_bwd, "_bwd_dkdv_kernel")):
         real = getattr(mod, name)
@@ -152,5 +154,5 @@ def test_stages_follow_the_load_path(monkeypatch, tma):
                            "attention_bwd": {**SMALL["attention_bwd"], "stages": None, "tma": tma}}):
         o, _ = compressed.compressed_branch(q, k, v, cfg)
         o.sum().backward()
-    want = tuning.STAGES_TMA if tma else tuning.STAGES_POINTERS
+    want = (tuning.STAGES_TMA if tma else tuning.STAGES_POINTERS) - (dtype == torch.float32)
     assert seen == [(n, tma, want) for n in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")]

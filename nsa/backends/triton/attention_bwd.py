@@ -205,7 +205,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
     kd, vd = (descriptor(k, [1, bn, 1, bdk]), descriptor(v, [1, bn, 1, bdv])) if tma else (None, None)
     common = dict(**geo, BLOCK_N=bn, STRIDE=stride, OFFSET=offset, WINDOW=window, PREC=dot_precision(q.dtype),
                   VARLEN=varlen is not None, TMA=tma, num_warps=tune["warps"],
-                  num_stages=tuning.by_path(tune, tma)["stages"])
+                  num_stages=tuning.by_path(tune, tma, q.element_size())["stages"])
     if B > 0 and Tq > 0:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
         _bwd_dq_kernel[grid](

@@ -292,7 +292,7 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
             so_h=o.stride(2), ssc_b=sc.stride(0), ssc_t=sc.stride(1), ssc_h=sc.stride(2), N=N, Tq=Tq, q_start=q_start, m_begin=c0,
             m_end=c1, nb=n_blocks, scale_log2=scale * LOG2E, **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d,
             OFFSET=config.l - 1, PREC=dot_precision(q.dtype), LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma,
-            **launch_options(tuning.by_path(tune, tma)), **kw,
+            **launch_options(tuning.by_path(tune, tma, q.element_size())), **kw,
         )
         if on_scored is not None and c1 == Tq:
             on_scored()
