@@ -216,18 +216,18 @@ def select_blocks(scores, config: NSAConfig, *, q_start: int = 0, cu_seqlens=Non
     return reference.select_blocks(scores, config, q_start=q_start, varlen=docs)
 
 
-def _check_indices(q, indices, config):
+def _check_indices(q, indices, config, name="indices"):
     if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
-        _fail("indices: expected an int32/int64 tensor [B,Tq,H,n_sel]")
+        _fail(f"{name}: expected an int32/int64 tensor [B,Tq,H,n_sel]")
     want = (q.shape[0], q.shape[1], config.n_kv_heads)
     if indices.dim() != 4 or tuple(indices.shape[:3]) != want or not 1 <= indices.shape[3] <= config.n_sel:
-        _fail(f"indices: expected shape [{', '.join(map(str, want))}, k] [B,Tq,H,k] with 1 <= k <= n_sel="
+        _fail(f"{name}: expected shape [{', '.join(map(str, want))}, k] [B,Tq,H,k] with 1 <= k <= n_sel="
               f"{config.n_sel}, got {tuple(indices.shape)}")
     if indices.device != q.device:
-        _fail(f"indices: device {indices.device} differs from q's {q.device}")
+        _fail(f"{name}: device {indices.device} differs from q's {q.device}")
 
 
-def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None = None):
+def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None = None, name: str = "indices"):
     """Block indices lie in [0, ceil(S / l_sel)) (packed: ceil(L / l_sel) of the row's document) or are -1
     (none); the kernels do not check them. One reduction and one host sync per call: checked in eager only
     (torch.compile cannot trace the sync; a compiled call is not checked)."""
@@ -241,7 +241,7 @@ def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None =
         if bool(bad.any()):
             r = int(bad.nonzero()[0, 0])
             k = int(doc[r])
-            _fail(f"indices: a block index of token {r} is out of range: its document {k} has {docs.lens[k]} "
+            _fail(f"{name}: a block index of token {r} is out of range: its document {k} has {docs.lens[k]} "
                   f"tokens, valid block indices are 0..{int(nb[r]) - 1} (ceil(L / l_sel)), and -1 for none")
         return
     lo, hi = (int(x) for x in torch.aminmax(indices))
@@ -249,7 +249,7 @@ def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None =
     if lo < -1 or hi >= nb:
         bad = lo if lo < -1 else hi
         valid = f"0..{nb - 1} (ceil(S / l_sel) = {nb} blocks of S={S} keys)" if nb else f"none (S={S} keys)"
-        _fail(f"indices: block index {bad} out of range; valid block indices are {valid}, and -1 for none")
+        _fail(f"{name}: block index {bad} out of range; valid block indices are {valid}, and -1 for none")
 
 
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
@@ -319,7 +319,8 @@ def _side_stream(device: torch.device):
 
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, scale=None,
                   backend: str | Mapping[str, str] = "reference", return_indices: bool = False,
-                  q_start: int = 0, fallback: str | None = None, streams: bool = True, cu_seqlens=None):
+                  q_start: int = 0, fallback: str | None = None, streams: bool = True, cu_seqlens=None,
+                  block_indices=None):
     """NSA attention output (paper Eq. 5 summed over branches with gates, spec step 7).
 
     o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, with o_cmp over compressed keys k_cmp/v_cmp
@@ -351,11 +352,20 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
         fallback: the backend to use where the chosen one cannot run (warned and recorded); None: raise.
         streams: run the sliding branch on a second CUDA stream (above).
         cu_seqlens: packed documents (module docstring), prefill only: B = 1, q_start = 0.
+        block_indices: None (the paper's selection: the top-n of the compressed scores, Eqs. 8-12), or
+            (B, Tq, H, k) int32/int64 blocks the selected branch reads instead (spec step 5 over these blocks;
+            fla's ``parallel_nsa(block_indices=...)``), in :func:`select_blocks`' layout: k <= n_sel, block
+            numbers in [0, ceil(S / l_sel)) (packed: of the row's document), -1 for none; checked as
+            :func:`selected_attention` checks its ``indices``. The compressed branch still runs as it does
+            (its output and gradient are the same); only the blocks the selected branch reads change. For
+            ablations (``experiments.lm.ablations``): every backend takes them, through the path
+            ``experiments.parity`` runs the backends on the reference's indices with.
     Returns:
         o: (B, Tq, HQ, Dv).
         indices: (B, Tq, H, k), only with ``return_indices``: the selected blocks, ascending, -1 padded;
             k = ``config.sel_count(ceil(S / l_sel))`` (n_sel bounded by the blocks of the S keys, packed: of
             the longest document; a larger n_sel selects every block, at the cost of the blocks that exist).
+            With ``block_indices``: those (the blocks the selected branch read).
 
     ``torch.compile(fullgraph=True)`` traces this function (reference and triton backends, forward and backward;
     not with ``cu_seqlens``): the shape checks run when it is traced, the branches on one stream, and
@@ -375,6 +385,9 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     if tuple(gates.shape) != (*q.shape[:3], 3):
         _fail(f"gates: expected shape {[*q.shape[:3], 3]} [B,Tq,HQ,3], got {tuple(gates.shape)}")
     _check_same("q", q, gates=gates)
+    if block_indices is not None:
+        _check_indices(q, block_indices, config, "block_indices")
+        _check_index_range(block_indices, config, S, docs, "block_indices")
     sc = _scale(q, scale)
     # n_sel beyond the blocks of S keys (packed: of the longest document) selects them all: work sized by them
     config = config.bounded(S if docs is None else docs.max_len)
@@ -383,8 +396,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
 
     backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback, varlen=docs is not None) for b in dispatch.BRANCHES}
     o, idx = gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, backends, scale=sc,
-                            q_start=q_start, streams=streams, varlen=docs)
-    return (o, idx) if return_indices else o
+                            q_start=q_start, streams=streams, indices=block_indices, varlen=docs)
+    return (o, idx if block_indices is None else block_indices) if return_indices else o
 
 
 def gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, backends, *, scale,

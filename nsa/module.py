@@ -298,7 +298,8 @@ class NSAAttention(nn.Module):
                         buf(max_len, c.d_k), buf(max_len, c.d_v), buf(max_len, c.d_k), buf(max_len, c.d_v),
                         max_len=max_len)
 
-    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None, cp_group=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: NSACache | None = None, *, cu_seqlens=None, cp_group=None,
+                block_indices=None) -> torch.Tensor:
         """The layer's output for the tokens x (the class docstring says where they sit).
 
         Arguments:
@@ -311,6 +312,10 @@ class NSAAttention(nn.Module):
                 an empty one with a row per document.
             cp_group: a ``torch.distributed`` group: x is this rank's part of one sequence (no cache, no
                 cu_seqlens).
+            block_indices: None (the paper's top-n of the compressed scores), or (B, T, H, k) blocks the
+                selected branch reads instead, for x's T queries (:func:`nsa.functional.nsa_attention`'s
+                ``block_indices``: select_blocks' layout, block numbers counted from position 0, packed: from
+                the row's document start). Not with ``cp_group`` or a ragged cache.
         Returns:
             y: (B, T, dim); packed: (1, N, dim); context parallel: this rank's part.
         """
@@ -324,6 +329,8 @@ class NSAAttention(nn.Module):
                              f"{str(wdt).replace('torch.', '')} (its parameters); cast one to the other, or run under "
                              "torch.autocast")
         if cp_group is not None:
+            if block_indices is not None:
+                raise ValueError("block_indices: not supported with cp_group (context parallelism)")
             if cache is not None:
                 raise ValueError("cp_group: context parallelism runs a whole sequence or packed documents (no cache)")
             return self._forward_cp(x, cp_group, as_varlen(cu_seqlens))
@@ -336,6 +343,8 @@ class NSAAttention(nn.Module):
             if cache is not None:
                 self._check_packed_prefill(cache, docs)
         elif cache is not None and cache.ragged:
+            if block_indices is not None:
+                raise ValueError("block_indices: not supported with a ragged cache (run each row alone)")
             return forward_rows(self, x, cache)
         start = 0 if cache is None or docs is not None else cache.length
         pos = torch.arange(start, start + T, device=x.device) if docs is None else docs.row_pos(x.device)
@@ -349,7 +358,8 @@ class NSAAttention(nn.Module):
             k_cmp, v_cmp, keys = self.append_to_cache(cache, x, kv)
         o = functional.nsa_attention(q, k_cmp, v_cmp, keys["k_sel"], keys["v_sel"], keys["k_win"],
                                      keys["v_win"], gates, c, backend=self.backend, q_start=start,
-                                     fallback=self.fallback, streams=self.streams, cu_seqlens=docs)
+                                     fallback=self.fallback, streams=self.streams, cu_seqlens=docs,
+                                     block_indices=block_indices)
         if cache is not None:
             if docs is None:
                 cache.length = start + T

@@ -4,13 +4,14 @@ helpers that build them from a composed Hydra config."""
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Mapping
 
 import torch
 
 from nsa import dispatch
 
+from .ablations import Ablation
 from .data import make_task
 from .model import ATTENTION, LMConfig
 
@@ -43,8 +44,15 @@ class TrainConfig:
     # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
     # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
     curriculum: tuple = ()
+    # NSA only (dense and window ignore it): issue 29's ablations, experiments/lm/ablations.py; the defaults are
+    # the paper's method. {selection: topn|full|oracle, branches: [a non-empty subset of cmp, sel, win]}
+    ablation: Ablation = field(default_factory=Ablation)
 
     def __post_init__(self):
+        if isinstance(self.ablation, Mapping):
+            object.__setattr__(self, "ablation", build(Ablation, self.ablation, "train.ablation"))
+        elif not isinstance(self.ablation, Ablation):
+            raise ValueError(f"train.ablation={self.ablation!r}: must be a mapping {{selection, branches}}")
         for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
             check_int(f"train.{f}", getattr(self, f), 1)
         for f in ("warmup", "eval_batches", "gates_open_steps"):
@@ -124,6 +132,14 @@ class RunConfig:
         acfg = self.lm.attention_config()  # checks the attention shape (NSAConfig's rules)
         if acfg.rope_rule():
             raise ValueError(f"lm.nsa.d_k={acfg.d_k}: {acfg.rope_rule()}")
+        if self.attention == "nsa" and self.train.ablation.selection == "oracle":
+            if acfg.n_sel <= acfg.n_init + acfg.n_local:
+                raise ValueError(f"train.ablation.selection=oracle: needs lm.nsa.n_sel > n_init + n_local = "
+                                 f"{acfg.n_init + acfg.n_local} (a free slot for the needle's block), got {acfg.n_sel}")
+            for _, t, _ in self.stages():
+                if not hasattr(t, "sources"):
+                    raise ValueError(f"train.ablation.selection=oracle: needs a lookup task whose answers have a "
+                                     f"source (data.task=needles|retrieval), got {t.task!r}")
         if self.attention == "nsa" and self.train.eval_batches:
             most = task.seq_len - acfg.n_sel * acfg.l_sel
             if self.train.sel_rows > most:

@@ -78,6 +78,16 @@ class _Lookup:
         """Tokens before the gap: where the task hides what it asks about."""
         return self.seq_len - 2 * self.n_queries - self.gap
 
+    def sources(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Where each answer's source token sits (``experiments.lm.ablations``' oracle selection): ``[B,T]``
+        int64, at each answer position (targets != IGNORE) the position of the context token the answer
+        copies (:meth:`_source`), -1 elsewhere. A pure function of a batch ``(tokens, targets)``."""
+        src = torch.full_like(targets, -1)
+        b, t = (targets != IGNORE).nonzero(as_tuple=True)
+        if len(b):
+            src[b, t] = self._source(tokens, targets, b, t)
+        return src
+
     def _check_room(self, tokens: int, what: str):
         """``tokens`` tokens must fit in ``context``; else a one-line error naming ``what`` they hold."""
         if self.context < tokens:
@@ -128,6 +138,12 @@ class Retrieval(_Lookup):
         tok[rows, start], tok[rows, start + 1] = keys, vals
         return tok, _ask(tok, g, keys, vals, Q)  # at a queried key, predict its value
 
+    @staticmethod
+    def _source(tokens, targets, b, t):
+        """The value after the queried key's first (in context: only) occurrence; keys are distinct per row
+        and no filler or value token is a key."""
+        return (tokens[b] == tokens[b, t][:, None]).int().argmax(-1) + 1
+
 
 @dataclass(frozen=True)
 class Needles(_Lookup):
@@ -173,6 +189,12 @@ class Needles(_Lookup):
         tok[rows, pos] = needle
         slots = (first_slot + torch.arange(S)).expand(B, S)
         return tok, _ask(tok, g, slots, needle, Q)  # at a slot token, predict that slot's needle
+
+    @staticmethod
+    def _source(tokens, targets, b, t):
+        """The needle: the first occurrence of the answer's value token (a slot's values occur only as its
+        needle, in the context, and as answers in the query region after it)."""
+        return (tokens[b] == targets[b, t][:, None]).int().argmax(-1)
 
 
 def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:

@@ -29,6 +29,11 @@ answer positions alone; 1.0 while ``gates_open_steps`` holds them open). Every `
 ``sel_recall`` over the last ``sel_rows`` positions of the first held-out batch
 (``probes.selection_quality``; ``_l<i>`` per layer; on a retrieval task also ``sel_mass_answers`` /
 ``sel_recall_answers`` over the answer positions among them).
+
+Ablations (``train.ablation``, :mod:`experiments.lm.ablations`; NSA only): ``selection`` full / oracle feeds each
+NSA layer's selected branch other blocks (the model computes them; oracle from the task's ``sources`` of the
+batch), ``branches`` holds the other branches' gates at 0 (:class:`ablations.BranchGates`, a hook after
+``gates_open_steps``' and before the gate means', so those log 0); both in training and in evaluation.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ import torch.nn.functional as F
 
 from nsa import NSAConfig, dispatch
 
-from . import checkpoint, cost, probes
+from . import ablations, checkpoint, cost, probes
 from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
 from .data import IGNORE
 from .model import LM, count_parameters
@@ -57,7 +62,7 @@ def build_model(cfg: RunConfig, device=None) -> LM:
     if len(vocab) > 1:
         raise ValueError(f"train.curriculum: its stages' vocabularies {sorted(vocab)} differ from the main stage's")
     return LM(cfg.lm, vocab.pop(), cfg.attention, backend=cfg.backend, fallback=cfg.fallback,
-              streams=cfg.streams).to(device)
+              streams=cfg.streams, selection=cfg.train.ablation.selection).to(device)
 
 
 def parameter_counts(cfg: RunConfig) -> dict[str, int]:
@@ -66,8 +71,10 @@ def parameter_counts(cfg: RunConfig) -> dict[str, int]:
         return count_parameters(build_model(cfg))
 
 
-def _loss(model, tokens, targets):
-    logits = model(tokens)
+def _loss(model, tokens, targets, task):
+    # the oracle selection (experiments.lm.ablations) reads where each answer's source sits
+    sources = task.sources(tokens, targets) if model.selection == "oracle" else None
+    logits = model(tokens, sources)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
     mask = targets != IGNORE
     correct = ((logits.argmax(-1) == targets) & mask).sum()
@@ -93,7 +100,7 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
     for i in range(cfg.train.eval_batches):
         tokens, targets = (t.to(device) for t in task.batch("val", i, cfg.train.batch))
         with probes.layer_inputs(layers) as xs, autocast():
-            loss, correct, n = _loss(model, tokens, targets)
+            loss, correct, n = _loss(model, tokens, targets, task)
         tot["loss"] += float(loss) / cfg.train.eval_batches
         tot["correct"] += int(correct)
         tot["n"] += int(n)
@@ -115,11 +122,15 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
 
 
 def _added_at_default(key: str, value) -> bool:
-    """An ``lm.nsa`` key that a checkpoint written before NSAConfig gained the field lacks, here at that
-    field's default (gate_bias, shared_kv, phi_init; issue 29): the same model, no difference."""
-    defaults = {f.name: f.default for f in fields(NSAConfig)}
-    name = key.removeprefix("lm.nsa.")
-    return key.startswith("lm.nsa.") and name in defaults and defaults[name] == value
+    """An ``lm.nsa`` or ``train.ablation`` key that a checkpoint written before NSAConfig / TrainConfig gained
+    the field lacks, here at that field's default (gate_bias, shared_kv, phi_init, ablation; issue 29): the same
+    run, no difference."""
+    for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation)):
+        defaults = {f.name: f.default for f in fields(cls)}
+        name = key.removeprefix(prefix)
+        if key.startswith(prefix) and name in defaults and defaults[name] == value:
+            return True
+    return False
 
 
 def _check_config(state: dict, cfg: RunConfig) -> None:
@@ -237,6 +248,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
     del state
     held = probes.HoldGatesOpen(model.nsa_layers())  # before GateMeans: its hook sees the gates the layer uses
+    # after HoldGatesOpen (which replaces the gate MLP's whole output): the branches ablated out stay at 0
+    branch_gates = ablations.BranchGates(model.nsa_layers(), tc.ablation.branches)
     gates = probes.GateMeans(model.nsa_layers())
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     last_metrics, completed, t_start = {}, True, time.perf_counter()
@@ -252,7 +265,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         gates.mask = targets != IGNORE if task.answers_only else None
         held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
         with autocast():
-            loss, correct, n = _loss(model, tokens, targets)
+            loss, correct, n = _loss(model, tokens, targets, task)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
@@ -277,5 +290,6 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
             break
         window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
     gates.remove()
+    branch_gates.remove()
     held.remove()
     return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model)}

@@ -31,6 +31,8 @@ from nsa import NSAAttention, NSAConfig, functional
 from nsa._compat import sdpa_gqa
 from nsa.module import rope
 
+from . import ablations
+
 ATTENTION = ("nsa", "dense", "window")
 
 
@@ -105,8 +107,9 @@ class GQAAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LMConfig, attention: str, backend, fallback, streams: bool):
+    def __init__(self, cfg: LMConfig, attention: str, backend, fallback, streams: bool, selection: str = "topn"):
         super().__init__()
+        self.selection = selection
         acfg = cfg.attention_config()
         self.norm1, self.norm2 = RMSNorm(cfg.dim), RMSNorm(cfg.dim)
         if attention == "nsa":
@@ -116,24 +119,36 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False), nn.GELU(),
                                  nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False))
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x, sources=None):
+        h = self.norm1(x)
+        if self.selection != "topn" and isinstance(self.attn, NSAAttention):  # experiments.lm.ablations
+            x = x + self.attn(h, block_indices=ablations.block_indices(self.attn, h, self.selection, sources))
+        else:
+            x = x + self.attn(h)
         return x + self.mlp(self.norm2(x))
 
 
 class LM(nn.Module):
-    """``forward(idx [B,T] int64) -> logits [B,T,vocab]`` (head tied to the embedding)."""
+    """``forward(idx [B,T] int64, sources=None) -> logits [B,T,vocab]`` (head tied to the embedding).
+
+    ``selection`` (``experiments.lm.ablations``; NSA only, the other attentions ignore it): ``topn`` the
+    paper's selection, ``full`` / ``oracle`` the blocks that ablation feeds each NSA layer's selected branch;
+    ``oracle`` needs ``sources`` ([B,T], each answer's source position: the task's ``sources``)."""
 
     def __init__(self, cfg: LMConfig, vocab_size: int, attention: str, *, backend="reference", fallback=None,
-                 streams: bool = True):
+                 streams: bool = True, selection: str = "topn"):
         super().__init__()
         if attention not in ATTENTION:
             raise ValueError(f"attention.kind={attention!r}: must be one of {ATTENTION}")
+        if selection not in ablations.SELECTIONS:
+            raise ValueError(f"train.ablation.selection={selection!r}: must be one of {ablations.SELECTIONS}")
+        self.selection = selection if attention == "nsa" else "topn"
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 2")
         self.cfg, self.attention = cfg, attention
         self.emb = nn.Embedding(vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, attention, backend, fallback, streams) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, attention, backend, fallback, streams, self.selection)
+                                    for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.apply(self._init)
         # GPT-2's scaled init of the projections that write into the residual stream.
@@ -153,10 +168,10 @@ class LM(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx):
+    def forward(self, idx, sources=None):
         x = self.emb(idx)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, sources)
         return F.linear(self.norm(x), self.emb.weight)
 
     def nsa_layers(self) -> list[NSAAttention]:
