@@ -277,3 +277,19 @@ def test_earlier_run_rules(tmp_path):
     assert _earlier_run(store, job, sweep, tmp_path).info.run_id == job
     for rid in (live, dead, away, foreign, sweep):
         tracking.end_run(store.client, rid, "KILLED")
+
+
+def test_job_folder_names_fit_one_path_component():
+    """conf/train.yaml names a sweep job's folder by its overrides (a resumed sweep finds its checkpoint
+    there); past 255 bytes Linux refused the folder (an ablation sweep with 13 overrides, 2026-11-27): the
+    resolver keeps such names under the limit, the same for the same overrides, distinct for others."""
+    from experiments.framework.sweep import NAME_MAX, job_dirname
+
+    short = "attention=nsa,train=smoke"
+    assert job_dirname(short) == short
+    long_a, long_b = ("attention=nsa," + "lm.nsa.phi=mlp," * 20 + x for x in ("seed=1", "seed=2"))
+    a, b = job_dirname(long_a), job_dirname(long_b)
+    assert len(a.encode()) <= NAME_MAX and len(b.encode()) <= NAME_MAX
+    assert a == job_dirname(long_a) and a != b and a.startswith("attention=nsa,lm.nsa.phi=mlp")
+    assert len(job_dirname("é" * 200).encode()) <= NAME_MAX  # cut on a character, not inside one
+    assert "subdir: ${nsa_dirname:${hydra.job.override_dirname}}" in (entrypoints.REPO / "conf" / "train.yaml").read_text()

@@ -16,6 +16,7 @@ An entry point is a ``work(job) -> Result`` function, a ``@hydra.main`` task tha
 """
 from . import help as _help
 from . import parallel as _parallel
+from . import sweep as _sweep
 from .cli import launch
 from .config import ConfigError, Job, ResourceLimit, check_memory
 from .job import Result, run_job
@@ -23,5 +24,6 @@ from .report import Charts
 
 _help.register()  # the resolvers of conf/common.yaml's help template
 _parallel.register()  # nsa_rank_suffix: a torchrun rank's own output folder and log file
+_sweep.register()  # nsa_dirname: a train job's folder named by its overrides, hashed beyond 255 bytes
 
 __all__ = ["Charts", "ConfigError", "Job", "ResourceLimit", "Result", "check_memory", "launch", "run_job"]

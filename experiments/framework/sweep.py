@@ -18,6 +18,7 @@ written and the store and the parent run could be created (one line, exit 2). Th
 from __future__ import annotations
 
 import itertools
+import hashlib
 import json
 import re
 import shlex
@@ -164,6 +165,24 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
         print(f"resume:  {resume}", flush=True)
         raise
     return returns
+
+
+NAME_MAX = 255  # bytes of one path component on Linux and macOS file systems
+
+
+def job_dirname(name: str, limit: int = NAME_MAX) -> str:
+    """``name`` (a job folder named by its overrides, ``hydra.job.override_dirname``) if it fits one path
+    component, else its first bytes and a hash of the whole: the same overrides give the same folder (a
+    resumed sweep finds its checkpoints), different ones different folders. Resolver ``nsa_dirname``."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name.encode()[: limit - 64].decode(errors="ignore") + "_" + digest
+
+
+def register() -> None:
+    if not OmegaConf.has_resolver("nsa_dirname"):
+        OmegaConf.register_new_resolver("nsa_dirname", job_dirname)
 
 
 def resume_command(entry: str, parent: str, sweep_dir: Path, sweep_cfg=None) -> str:
