@@ -134,5 +134,7 @@ def test_needles_smoke_preset(attention):
     acfg = run.lm.attention_config()
     assert task.gap >= run.lm.n_layers * (acfg.w - 1)
     assert (acfg.shared_kv, acfg.phi, acfg.n_sel) == (True, "avg", 8)
+    # compression blocks of 8 tokens at stride 8 (lm=smoke's l is 16); selection blocks stay 16 tokens
+    assert (acfg.l, acfg.d, acfg.l_sel) == (8, 8, 16)
     # a gate warm-up: held at 1 for the first half of the run, free after it
     assert (run.train.steps, run.train.gates_open_steps) == (600, 300) and run.dtype == "float32"
