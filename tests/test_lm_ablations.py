@@ -18,8 +18,9 @@ from experiments.lm import ablations, checkpoint
 from experiments.lm.config import RunConfig
 from experiments.lm.data import IGNORE, Needles, Retrieval
 from experiments.lm.loop import _check_config, train
-from nsa import NSAAttention, NSAConfig
+from nsa import NSAAttention, NSAConfig, dispatch, env
 from nsa import functional as fn
+from nsa.numerics import rel_l2
 
 F64 = torch.float64
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -64,6 +65,30 @@ def test_block_indices_equal_to_the_topn_change_nothing_and_others_change_the_ou
     assert (o2[:, 24:] - o0[:, 24:]).abs().amax() > 1e-3
     assert torch.equal(g2[1], g0[1]) and torch.equal(g2[2], g0[2])  # the compressed branch: the same gradient
     assert not torch.equal(g2[3], g0[3])  # the selected branch's keys: another gradient
+
+
+@pytest.mark.skipif(not env.triton_interpret(), reason="the triton backend on this CPU runs under TRITON_INTERPRET=1")
+def test_the_triton_backend_reads_the_given_blocks():
+    """backend=triton with block_indices (the ablations' path on a GPU): the same output and input gradients as
+    the reference on the same blocks, float32 through the interpreter, with blocks unlike its own top-n."""
+    cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=6, n_init=1, n_local=1)
+    inp = random_inputs(cfg, 2, 45, dtype=torch.float32, requires_grad=True)
+    args = [inp[k] for k in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")]
+    _, idx = fn.nsa_attention(*args, cfg, return_indices=True)
+    other = idx.clone()
+    other[:, 24:, :, 1] = torch.where(idx[:, 24:, :, 1] == 1, 2, 1)
+    w = torch.linspace(-1, 1, 2 * 45 * 4 * 16).view(2, 45, 4, 16)
+    out = {}
+    for backend in ("reference", "triton"):
+        with dispatch.record() as rec:
+            o = fn.nsa_attention(*args, cfg, backend=backend, block_indices=other)
+        assert rec.ran == {"cmp": backend, "sel": backend, "win": backend}, rec
+        out[backend] = (o, *torch.autograd.grad((o * w).sum(), args))
+    for name, a, b in zip(("o", "q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates"),
+                          out["reference"], out["triton"]):
+        assert rel_l2(b, a) < 1e-5, (name, rel_l2(b, a))
+    o_own = fn.nsa_attention(*args, cfg, backend="triton")
+    assert (o_own[:, 24:] - out["triton"][0][:, 24:]).abs().amax() > 1e-3  # the given blocks were read
 
 
 def test_the_module_takes_block_indices():
