@@ -73,25 +73,16 @@ class Ablation:
 def full_attention_scores(q, k_sel, config, q_start: int = 0, rows_per_chunk: int | None = None):
     """Full attention's block mass per group: q ``[B,Tq,HQ,Dk]`` at positions ``q_start..``, k_sel ``[B,S,H,Dk]``
     -> ``[B,Tq,H,ceil(S / l_sel)]`` float32 (the ``full`` selection's scores: causal softmax over all keys,
-    summed per l_sel block and over the G heads of each group). Query rows are taken in chunks, so that no
-    more than ~256 MiB of probabilities are held at once."""
+    summed per l_sel block and over the G heads of each group). Query rows are taken in chunks
+    (``probes.rows_per_chunk``)."""
     B, Tq, HQ, _ = q.shape
     H, S = k_sel.shape[2], k_sel.shape[1]
-    step = rows_per_chunk or max(1, (1 << 26) // max(1, B * HQ * S))
+    step = rows_per_chunk or probes.rows_per_chunk(B, HQ, S)
     out = []
     for a in range(0, Tq, step):
         mass = probes.block_mass(probes.full_attention_probs(q[:, a:a + step], k_sel, q_start + a), config.l_sel)
-        out.append(mass.unflatten(2, (H, HQ // H)).sum(3))
+        out.append(probes.group_mass(mass, H))
     return torch.cat(out, 1)
-
-
-def compressed_scores(layer: NSAAttention, q, kv):
-    """The layer's own selection scores (Eqs. 8-10) from its queries and raw compression keys/values
-    (:meth:`NSAAttention.project`'s), over a whole sequence: ``[B,T,H,ceil(T / l_sel)]``."""
-    c = layer.config
-    k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
-    _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c)
-    return functional.selection_scores(p_cmp, c, c.n_blocks(q.shape[1]))
 
 
 def force_sources(scores, sources, l_sel: int):
@@ -123,7 +114,7 @@ def block_indices(layer: NSAAttention, x, selection: str, sources=None):
             if sources is None or tuple(sources.shape) != (B, T):
                 raise ValueError(f"sources: the oracle selection needs each answer's source position [B,T] = "
                                  f"{[B, T]}, got {None if sources is None else tuple(sources.shape)}")
-            scores = force_sources(compressed_scores(layer, q, kv), sources, c.l_sel)
+            scores = force_sources(probes.compressed_scores(layer, q, kv), sources, c.l_sel)
         return functional.select_blocks(scores, c)
 
 

@@ -135,6 +135,27 @@ def block_mass(p, l_sel: int):
     return torch.nn.functional.pad(p, (0, nb * l_sel - S)).unflatten(-1, (nb, l_sel)).sum(-1)
 
 
+def group_mass(mass, H: int):
+    """Each group's mass (Eq. 10's sharing of the selection over a group's G = HQ / H heads):
+    ``[B,R,HQ,nb]`` -> ``[B,R,H,nb]``."""
+    return mass.unflatten(2, (H, mass.shape[2] // H)).sum(3)
+
+
+def rows_per_chunk(B: int, HQ: int, S: int) -> int:
+    """Query rows per chunk of full attention's probabilities ``[B,rows,HQ,S]``: at most 256 MiB of float32."""
+    return max(1, (1 << 26) // max(1, B * HQ * S))
+
+
+def compressed_scores(layer: NSAAttention, q, kv, q_start: int = 0):
+    """The layer's selection scores (Eqs. 8-10) for its queries ``q [B,R,HQ,Dk]`` at positions ``q_start..``
+    from the raw compression keys/values of the whole sequence in ``kv`` (:meth:`NSAAttention.project`'s):
+    ``[B,R,H,ceil((q_start + R) / l_sel)]``."""
+    c = layer.config
+    k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
+    _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c, q_start=q_start)
+    return functional.selection_scores(p_cmp, c, c.n_blocks(q_start + q.shape[1]))
+
+
 def mass_in_selected(mass, indices):
     """Share of each head's mass in its group's selected blocks: mass ``[B,R,HQ,nb]``, indices
     ``[B,R,H,n]`` (-1 = none) -> ``[B,R,HQ]``."""
@@ -150,7 +171,7 @@ def topn_recall(mass, indices, n: int, q_start: int, l_sel: int):
     heads, among the candidates j <= t // l_sel) that ``indices [B,R,H,n_sel]`` contains -> ``[B,R,H]``."""
     B, R, HQ, nb = mass.shape
     H = indices.shape[2]
-    group = mass.unflatten(2, (H, HQ // H)).sum(3)  # [B,R,H,nb]
+    group = group_mass(mass, H)  # [B,R,H,nb]
     t = q_start + torch.arange(R, device=mass.device)
     cand = torch.arange(nb, device=mass.device)[None, :] <= (t // l_sel)[:, None]  # [R,nb]
     if int(cand.sum(-1).min()) < n:
@@ -181,12 +202,10 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
                          f"{T - c.n_sel * c.l_sel} (every row must have more than n_sel candidate blocks)")
     with torch.autocast(x.device.type, enabled=False):
         q, kv, _ = layer.project(x.float(), torch.arange(T, device=x.device))
-        k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
-    q = q[:, r0:]
-    _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c, q_start=r0)
-    idx = functional.select_blocks(functional.selection_scores(p_cmp, c, c.n_blocks(T)), c, q_start=r0)
+        q = q[:, r0:]
+        idx = functional.select_blocks(compressed_scores(layer, q, kv, r0), c, q_start=r0)
     mass, recall = [], []
-    step = max(1, (1 << 26) // max(1, B * c.n_heads * T))  # rows per chunk: <= 256 MiB of float32 probabilities
+    step = rows_per_chunk(B, c.n_heads, T)
     for a in range(0, rows, step):
         m = block_mass(full_attention_probs(q[:, a:a + step], kv["k_sel"], r0 + a), c.l_sel)
         i = idx[:, a:a + step]
