@@ -21,11 +21,9 @@ from experiments.framework.config import ConfigError
 
 
 def documented(entry: str) -> list[str]:
-    """The arguments of docs/cluster.md's CPU command ``torchrun ... -m experiments.<entry> ... hardware=cpu ...``
+    """The arguments of the docs' CPU command ``torchrun ... -m experiments.<entry> ... hardware=cpu ...`` (docs/cluster.md)
     (the tests run the documented commands as written, plus their store and output folder)."""
-    text = (entrypoints.REPO / "docs" / "cluster.md").read_text()
-    lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in block.splitlines()
-             if ln.startswith("torchrun ") and f" -m experiments.{entry} " in ln and "hardware=cpu" in ln]
+    lines = [ln for ln in documented_torchrun() if f" -m experiments.{entry} " in ln and "hardware=cpu" in ln]
     assert len(lines) == 1, lines
     assert lines[0].startswith("torchrun --standalone --nproc_per_node 2 "), lines[0]
     return lines[0].split(f" -m experiments.{entry} ", 1)[1].split()

@@ -17,8 +17,8 @@ written and the store and the parent run could be created (one line, exit 2). Th
 """
 from __future__ import annotations
 
-import itertools
 import hashlib
+import itertools
 import json
 import re
 import shlex
