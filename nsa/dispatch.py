@@ -104,6 +104,7 @@ _LAZY: dict[str, str] = {
     "triton": "nsa.backends.triton:BACKEND",
     "sdpa": "nsa.backends.sdpa:BACKEND",
     "fa2": "nsa.backends.fa2:BACKEND",
+    "cudnn": "nsa.backends.cudnn:BACKEND",
 }
 
 

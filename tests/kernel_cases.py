@@ -125,6 +125,9 @@ def cmp_branch(case: Case, device, dtype, ref_dtype, tol: Tol, backend="triton")
     """The compressed branch (Eq. 5 over compressed keys, Eqs. 8-12 top-n): o_cmp, dq, dk_cmp, dv_cmp and
     the indices."""
     device = torch.device(device)
+    reason = dispatch.get(backend).unavailable("cmp", device, dtype)
+    if reason is not None:
+        skip_unavailable(f"backend {backend!r} cannot run the compressed branch on {device}/{dtype}: {reason}")
     cfg, S = case.config(), case.T
     x = inputs(case, device, dtype)
     c = Compare(case, x, ("q", "k_cmp", "v_cmp"), ref_dtype)
@@ -173,18 +176,19 @@ def win_branch(case: Case, device, dtype, ref_dtype, tol: Tol, backend: str):
     c.check(o, grads, o_ref, c.ref_grads(o_ref), tol, f"win/{backend}")
 
 
-def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str):
-    """The whole layer (``nsa_attention``: the three branches on triton, the window on ``win``, the gated
-    sum, Eq. 5): the output with a gradient, the output without one (the gate fused into the selected
+def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str, cmp: str = "triton"):
+    """The whole layer (``nsa_attention``: the compressed branch on ``cmp``, the selected on triton, the window
+    on ``win``, the gated sum, Eq. 5): the output with a gradient, the output without one (the gate fused into the selected
     branch), every input's gradient, and the top-n against the reference's own."""
     device = torch.device(device)
-    reason = dispatch.get(win).unavailable("win", device, dtype)
-    if reason is not None:
-        skip_unavailable(f"backend {win!r} cannot run the window on {device}/{dtype}: {reason}")
+    for branch, name in (("win", win), ("cmp", cmp)):
+        reason = dispatch.get(name).unavailable(branch, device, dtype)
+        if reason is not None:
+            skip_unavailable(f"backend {name!r} cannot run the {branch} branch on {device}/{dtype}: {reason}")
     cfg, S, R = case.config(), case.T, case.rows
     x = inputs(case, device, dtype)
     args = [x[n] for n in ARG_ORDER]
-    plan = {"cmp": "triton", "sel": "triton", "win": win}
+    plan = {"cmp": cmp, "sel": "triton", "win": win}
     c = Compare(case, x, ARG_ORDER, ref_dtype)
     with poisoned_outputs():
         o, idx = fn.nsa_attention(*args, cfg, backend=plan, return_indices=True)
@@ -194,11 +198,12 @@ def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str):
     ref_be = {b: dispatch.get("reference") for b in dispatch.BRANCHES}
     o_ref, idx_ref = fn.gated_branches(*(c.ref[n] for n in ARG_ORDER), cfg, ref_be, scale=case.Dk ** -0.5,
                                        q_start=S - R, streams=False, indices=idx[:, -R:])
-    c.check(o, grads, o_ref, c.ref_grads(o_ref), tol, f"layer/win={win}")
+    what = f"layer/win={win}" + ("" if cmp == "triton" else f"/cmp={cmp}")
+    c.check(o, grads, o_ref, c.ref_grads(o_ref), tol, what)
     err = rel_l2(o_fused[:, -R:], o_ref)
-    assert err <= tol.out, f"layer/win={win}: output without gradient rel-L2 {err:.3g} > {tol.out:g}"
+    assert err <= tol.out, f"{what}: output without gradient rel-L2 {err:.3g} > {tol.out:g}"
     frac = _mismatch(idx[:, -R:], idx_ref)
-    assert frac <= tol.index, f"layer/win={win}: {frac:.2%} of the top-n slots differ from the reference's (tol {tol.index:g})"
+    assert frac <= tol.index, f"{what}: {frac:.2%} of the top-n slots differ from the reference's (tol {tol.index:g})"
 
 
 LONG_T = 65536  # cases from this length run in pytest-xdist's group BIG (each holds tens of GB on the GPU)

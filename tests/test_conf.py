@@ -146,7 +146,7 @@ def test_the_decode_preference_goes_before_by_seq_and_avoid_after_it(h100):
 
 
 @pytest.mark.parametrize("value,needle", [
-    ("{decode: {win: nope}}", "hardware.policy.by_entry.decode.win='nope': unknown backend; known: fa2, reference"),
+    ("{decode: {win: nope}}", "hardware.policy.by_entry.decode.win='nope': unknown backend; known: cudnn, fa2, reference"),
     ("{decode: {attn: triton}}", "hardware.policy.by_entry.decode.attn: unknown branch; one of cmp, sel, win"),
     ("{decod: {win: triton}}", "hardware.policy.by_entry.decod: unknown entry point; one of decode, prefill"),
     ("{decode: triton}", "hardware.policy.by_entry.decode='triton': must be a mapping branch -> backend"),

@@ -58,3 +58,18 @@ test_cmp, test_sel, test_win, test_layer = kc.tests(
     CASES, "cuda", BF16, F32, TOL, kc.WIN_BACKENDS,
     [kc.param(c, "triton") for c in CASES if c is not BRANCH_128K] + [kc.param(LAYER_128K, "triton")]
     + [kc.param(PAPER_G16, b) for b in ("sdpa", "fa2")])
+
+
+@pytest.mark.kernel("cmp")
+@pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
+def test_cmp_cudnn(case):
+    """The cudnn backend's compressed branch (cuDNN attention on the folded queries, then the triton score-only
+    pass and top-n) on every case, 128k included, at the same tolerances."""
+    kc.cmp_branch(case, "cuda", BF16, F32, TOL, backend="cudnn")
+
+
+@pytest.mark.kernel("layer")
+@pytest.mark.parametrize("case", [kc.param(PAPER_G16), kc.param(LAYER_128K)])
+def test_layer_cudnn(case):
+    """The whole layer with backend.cmp=cudnn (the triton window and selection)."""
+    kc.layer(case, "cuda", BF16, F32, TOL, "triton", cmp="cudnn")

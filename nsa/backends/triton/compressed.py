@@ -130,19 +130,21 @@ def _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_o
                 BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
                 SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, MASKED: tl.constexpr, D_CMP: tl.constexpr,
-                L_CMP: tl.constexpr, L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr):
-    """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v, and the Eq. 9/10 block
-    scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the next tile).
-    (w_a, w_b): the tile's Eq. 9 weights from ``_eq9_weights``."""
+                L_CMP: tl.constexpr, L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr,
+                SCORE_ONLY: tl.constexpr):
+    """Pass 2 on keys n0..n0+NSTEP: p_cmp = exp2(s - lse) (Eq. 8), o += p v (not with SCORE_ONLY), and
+    the Eq. 9/10 block scores of blocks j0..j0+BJ written (plus the spill into later blocks carried to the
+    next tile). (w_a, w_b): the tile's Eq. 9 weights from ``_eq9_weights``."""
     n = n0 + nn
     k = _key_tile(kb, KD, b, h, n0, n, nn, dk, sk_n, N, DK, BDK, NSTEP, MASKED, TMA)
-    v = _key_tile(vb, VD, b, h, n0, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
     p = tl.exp2(s - lse[:, None])
     if MASKED:
         vis = visible(n * STRIDE + OFFSET, (nn < NSTEP) & (n < N), t, row_ok, 0)
         p = tl.where(vis, p, 0.0)
-    acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    if not SCORE_ONLY:
+        v = _key_tile(vb, VD, b, h, n0, n, nn, dv, sv_n, N, DV, BDV, NSTEP, MASKED, TMA)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
     j0 = (n0 // NSTEP) * BJ
     if SCORE_DOT:
         # Tensor-core path (half inputs): p*2^14 as fp16 (plus, with SCORE_LO, its fp16 remainder) times
@@ -172,9 +174,9 @@ def _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_o
                 BLOCK_M: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
                 STRIDE: tl.constexpr, OFFSET: tl.constexpr, BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr,
                 SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr,
-                L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr):
-    """Pass 2: normalized probabilities p -> the output o = p @ v (returned; p is normalized, so no
-    final division) and the Eq. 9/10 block scores of every candidate block (the last tile's carry
+                L_SEL: tl.constexpr, SPILL_W: tl.constexpr, TMA: tl.constexpr, SCORE_ONLY: tl.constexpr):
+    """Pass 2: normalized probabilities p -> the output o = p @ v (returned, zeros with SCORE_ONLY; p is
+    normalized, so no final division) and the Eq. 9/10 block scores of every candidate block (the last tile's carry
     written at the end); cc: the block columns 0..BJP. Tiles [0, n_full) are visible to every valid
     row and skip the mask."""
     acc = tl.zeros([BLOCK_M * GP, BDV], tl.float32)
@@ -184,12 +186,12 @@ def _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_o
         acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, N, t, row_ok, lse, acc, carry,
                                  w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, False,
-                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
+                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA, SCORE_ONLY)
     for n0 in range(n_full, hi, NSTEP):  # bounded by hi: no key that none of the rows sees enters p @ v
         acc, carry = _score_tile(q, kb, vb, KD, VD, b, h, n0, nn, dk, dv, sk_n, sv_n, hi, t, row_ok, lse, acc, carry,
                                  w_a, w_b, sc_row, sc_row_ok, cc, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP,
                                  BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP, PREC, SCORE_DOT, SCORE_LO, True,
-                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
+                                 D_CMP, L_CMP, L_SEL, SPILL_W, TMA, SCORE_ONLY)
     j = tl.cdiv(hi, NSTEP) * BJ + cc
     tl.store(sc_row + j[None, :], carry, mask=sc_row_ok[:, None] & (j < nb)[None, :])
     return acc
@@ -203,12 +205,13 @@ def _fwd_kernel(
     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSTEP: tl.constexpr,
     STRIDE: tl.constexpr, OFFSET: tl.constexpr, D_CMP: tl.constexpr, L_CMP: tl.constexpr, L_SEL: tl.constexpr,
     BJ: tl.constexpr, BJP: tl.constexpr, PREC: tl.constexpr, SCORE_DOT: tl.constexpr, SCORE_LO: tl.constexpr,
-    LSE_N: tl.constexpr, SPILL_W: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
+    LSE_N: tl.constexpr, SPILL_W: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr, SCORE_ONLY: tl.constexpr,
 ):
     """o_cmp [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the block scores of queries [m_begin, m_end)
     (rows of SC: position - m_begin). VARLEN: packed documents (B = 1; TILES, CU_Q = cu_seqlens, CU_K =
     the compressed tokens' offsets, see ``tiles.doc_rows``); else TILES, CU_Q, CU_K are None. TMA: q and the
-    key tiles through the descriptors QD, KD1 (pass 1's LSE_N keys), KD, VD (pass 2's BLOCK_N keys)."""
+    key tiles through the descriptors QD, KD1 (pass 1's LSE_N keys), KD, VD (pass 2's BLOCK_N keys).
+    SCORE_ONLY: the block scores alone, from the rows' lse read from LSE (no pass 1, no p @ v; Out unused)."""
     b, h, m0, m, t, head, row_ok, m_begin, m_end, N, Q, Out, LSE, K, V = forward_rows(
         Q, Out, LSE, K, V, TILES, CU_Q, CU_K, sq_t, so_t, sk_n, sv_n, N, q_start, m_begin, m_end, H, G, GP, BLOCK_M,
         VARLEN)
@@ -229,29 +232,35 @@ def _fwd_kernel(
     n_full = (n_vis // NSTEP) * NSTEP
     if NSTEP != BLOCK_N:
         n_full = 0  # tiles with padding columns always take the masked path
-    lse = _lse_pass(q, kb, KD1, b, h, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK, BDK, BLOCK_M * GP, LSE_N,
-                    STRIDE, OFFSET, PREC, TMA)
+    if SCORE_ONLY:  # +inf for padding rows, as pass 1 gives them
+        lse = tl.load(LSE + (b * HQ + head).to(tl.int64) * Tq + m, mask=row_ok, other=float("inf"))
+    else:
+        lse = _lse_pass(q, kb, KD1, b, h, dk, sk_n, N, t, row_ok, n_vis, hi, scale_log2, DK, BDK, BLOCK_M * GP,
+                        LSE_N, STRIDE, OFFSET, PREC, TMA)
     cc = tl.arange(0, BJP)
     mm = tl.arange(0, BLOCK_M)
     sc_row = SC + b * ssc_b + (m0 + mm - m_begin)[:, None].to(tl.int64) * ssc_t + h * ssc_h
     o = _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_ok, lse, sc_row, (m0 + mm) < m_end,
                     n_full, hi, nb, scale_log2, DK, DV, BDK, BDV, BLOCK_M, GP, BLOCK_N, NSTEP, STRIDE, OFFSET, BJ, BJP,
-                    PREC, SCORE_DOT, SCORE_LO, D_CMP, L_CMP, L_SEL, SPILL_W, TMA)
-    store_head_rows(Out, o, b, so_b, so_t, so_h, m, head, dv, row_ok, DV)
-    # LSE layout: [B, HQ, Tq] float32, base 2
-    tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
+                    PREC, SCORE_DOT, SCORE_LO, D_CMP, L_CMP, L_SEL, SPILL_W, TMA, SCORE_ONLY)
+    if not SCORE_ONLY:
+        store_head_rows(Out, o, b, so_b, so_t, so_h, m, head, dv, row_ok, DV)
+        # LSE layout: [B, HQ, Tq] float32, base 2
+        tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
 
 
-def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varlen=None):
+def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varlen=None, lse_in=None):
     """o [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the top-n indices [B,Tq,H,n_sel], the block scores
     consumed chunk by chunk. ``on_scored()`` (optional) is called once the last chunk's attention and
     scoring kernel is queued, before its top-n. ``varlen``: packed documents (B = 1; a chunk's tiles
-    are its documents' parts, each its own sequence)."""
+    are its documents' parts, each its own sequence). ``lse_in`` (the rows' base-2 lse, [B,HQ,Tq]
+    float32, +inf where a row sees no key): the scores alone from it, o returned as None."""
     B, Tq, HQ, Dk = q.shape
     N, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     geo = geometry(HQ, H, Dk, Dv, tune["rows"])
-    o = empty((B, Tq, HQ, Dv), q)
-    lse = empty((B, HQ, Tq), q, torch.float32)
+    score_only = lse_in is not None
+    o = None if score_only else empty((B, Tq, HQ, Dv), q)
+    lse = lse_in if score_only else empty((B, HQ, Tq), q, torch.float32)
     u = config.l_sel // config.d  # compressed tokens per selection block
     bj = max(1, tune["block_n"] // u)
     bj = max(bj, -(-(config.l - config.d) // config.l_sel))  # the spill fits in one carry
@@ -280,18 +289,20 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
     bdk, bdv = geo["BDK"], geo["BDV"]
     descs = ((descriptor(q, [1, geo["BLOCK_M"], geo["GP"], bdk]), descriptor(k, [1, tune["lse_n"], 1, bdk]),
               descriptor(k, [1, nstep, 1, bdk]), descriptor(v, [1, nstep, 1, bdv])) if tma else (None,) * 4)
+    out_t = q if score_only else o  # the kernel's Out (not written with SCORE_ONLY)
     for c0 in range(0, Tq, chunk):
         c1 = min(Tq, c0 + chunk)
         # every candidate block (j <= t // l_sel) of every row is written by the kernel: no memset
         sc = empty((B, c1 - c0, H, nb), q, torch.float32)
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, c0, c1, config.d, config.l - 1)
         _fwd_kernel[grid](
-            Q=q, K=k, V=v, Out=o, LSE=lse, SC=sc, QD=descs[0], KD1=descs[1], KD=descs[2], VD=descs[3], TILES=docs[0],
+            Q=q, K=k, V=v, Out=out_t, LSE=lse, SC=sc, QD=descs[0], KD1=descs[1], KD=descs[2], VD=descs[3], TILES=docs[0],
             CU_Q=docs[1], CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
-            sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), so_b=o.stride(0), so_t=o.stride(1),
-            so_h=o.stride(2), ssc_b=sc.stride(0), ssc_t=sc.stride(1), ssc_h=sc.stride(2), N=N, Tq=Tq, q_start=q_start, m_begin=c0,
+            sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), so_b=out_t.stride(0), so_t=out_t.stride(1),
+            so_h=out_t.stride(2), ssc_b=sc.stride(0), ssc_t=sc.stride(1), ssc_h=sc.stride(2), N=N, Tq=Tq, q_start=q_start, m_begin=c0,
             m_end=c1, nb=n_blocks, scale_log2=scale * LOG2E, **geo, BLOCK_N=p2(nstep), NSTEP=nstep, STRIDE=config.d,
             OFFSET=config.l - 1, PREC=dot_precision(q.dtype), LSE_N=tune["lse_n"], VARLEN=varlen is not None, TMA=tma,
+            SCORE_ONLY=score_only,
             **launch_options(tuning.by_path(tune, tma, q.element_size())), **kw,
         )
         if on_scored is not None and c1 == Tq:
