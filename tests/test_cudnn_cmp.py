@@ -93,6 +93,35 @@ def test_fold_is_a_view_and_unfolds(T, l, d):
         close(lse[:, :, t - l + 1], lse_f[:, r * HQ + torch.arange(HQ), k] / torch.log(torch.tensor(2.0)), 1e-6)
 
 
+@pytest.mark.parametrize("limit,want", [(10**9, (2, 4)), (2 * 4 * 2 * 10 * 16, (2, 4)), (4 * 2 * 10 * 16, (1, 4)),
+                                        (2 * 2 * 10 * 16, (1, 2)), (2 * 10 * 16, (1, 1)), (5, (1, 1))])
+def test_pieces_keep_each_call_under_the_limit(limit, want):
+    assert cudnn.pieces(2, 4, 2, 10, 16, limit) == want
+
+
+def test_attention_in_pieces_equals_one_call():
+    """Calls split over batch rows and fold offsets (as past 2^31 elements) give the one call's output,
+    lse and gradients."""
+    cfg, _, q, k, v = cmp_inputs((2, 80, 0, 4, 2, 16, 16, {}), torch.float32)  # d = 4, n = 18 rows
+    calls = []
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return math_attend(*a)
+    res = []
+    for limit in (cudnn.MAX_ELEMS, 2 * 4 * 18 * 16):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = cudnn.attention(*xs, cfg, 0.25, counted, limit)
+        res.append((o, lse, torch.autograd.grad(o, xs, torch.ones_like(o))))
+    assert calls[0] == (2, 16, 18, 16) and calls[1:] == [(1, 8, 18, 16)] * 4
+    (o1, lse1, g1), (o2, lse2, g2) = res
+    fin = torch.isfinite(lse1)
+    assert torch.equal(fin, torch.isfinite(lse2)) and fin.any() and not fin.all()  # rows t < l - 1: +inf
+    close(lse2[fin], lse1[fin], 1e-6)
+    for a, b in zip((o2, *g2), (o1, *g1)):
+        close(a, b, 1e-6)
+
+
 def test_score_only_pass_matches_the_two_pass_kernel():
     """The triton kernel's SCORE_ONLY launch, given the lse its own pass 1 found, picks the same blocks."""
     from nsa.backends.triton.compressed import _forward

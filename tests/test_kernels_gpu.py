@@ -64,12 +64,13 @@ test_cmp, test_sel, test_win, test_layer = kc.tests(
 @pytest.mark.parametrize("case", [kc.param(c) for c in CASES])
 def test_cmp_cudnn(case):
     """The cudnn backend's compressed branch (cuDNN attention on the folded queries, then the triton score-only
-    pass and top-n) on every case, 128k included, at the same tolerances."""
+    pass and top-n) on every case at the same tolerances; at 128k (B = 2) the folded tensors pass 2^31
+    elements, so the calls are split (``nsa.backends.cudnn.pieces``)."""
     kc.cmp_branch(case, "cuda", BF16, F32, TOL, backend="cudnn")
 
 
 @pytest.mark.kernel("layer")
-@pytest.mark.parametrize("case", [kc.param(PAPER_G16), kc.param(LAYER_128K)])
+@pytest.mark.parametrize("case", [kc.param(PAPER_G16)])
 def test_layer_cudnn(case):
-    """The whole layer with backend.cmp=cudnn (the triton window and selection)."""
+    """The whole layer with backend.cmp=cudnn (the triton window and selection); 128k: test_cmp_cudnn."""
     kc.layer(case, "cuda", BF16, F32, TOL, "triton", cmp="cudnn")

@@ -76,13 +76,50 @@ def tail_attention(q, k, v, scale: float):
     return o.reshape(B, r, HQ, v.shape[-1]).to(q.dtype), lse.reshape(B, r, HQ).transpose(1, 2) * LOG2E
 
 
+# Elements one cuDNN call may hold in a tensor. Past 2^31, its backward went wrong on an H100 (2026-11-27,
+# cuDNN 9.19: B = 2, T = 128k, HQ = 64, Dv = 128 folded to o of 2.15e9 elements: output right, dq and dk
+# rel-L2 0.5, dv right, the rows past element 2^31 wrong); `pieces` keeps every call under it.
+MAX_ELEMS = 2**31 - 1
+
+
+def pieces(B: int, d: int, HQ: int, n: int, D: int, limit: int = MAX_ELEMS) -> tuple[int, int]:
+    """(batch rows, fold offsets r) per cuDNN call: all of them when the folded tensors hold at most ``limit``
+    elements, else one batch row and the largest divisor of d whose heads fit (one r at least)."""
+    if B * d * HQ * n * D <= limit:
+        return B, d
+    rs = max((g for g in range(1, d + 1) if d % g == 0 and g * HQ * n * D <= limit), default=1)
+    return 1, rs
+
+
+def attend_in_pieces(qf, kf, vf, scale: float, attend, d: int, D: int, limit: int = MAX_ELEMS):
+    """``attend`` over the folded layout in calls of at most ``limit`` elements a tensor (``pieces``): each
+    call's queries a contiguous copy of its batch rows and folded heads (r*HQ .. for its offsets r), its
+    keys the matching folded key heads; outputs and lse concatenated back. One call where all fits."""
+    B, HD, n, _ = qf.shape
+    HQ, H = HD // d, kf.shape[1] // d
+    bs, rs = pieces(B, d, HQ, n, D, limit)
+    if (bs, rs) == (B, d):
+        return attend(qf, kf, vf, scale)
+    outs, lses = [], []
+    for b in range(0, B, bs):
+        row_o, row_l = [], []
+        for r in range(0, d, rs):
+            hq, hk = slice(r * HQ, (r + rs) * HQ), slice(r * H, (r + rs) * H)
+            o, lse = attend(qf[b:b + bs, hq].contiguous(), kf[b:b + bs, hk], vf[b:b + bs, hk], scale)
+            row_o.append(o)
+            row_l.append(lse)
+        outs.append(torch.cat(row_o, 1))
+        lses.append(torch.cat(row_l, 1))
+    return torch.cat(outs, 0), torch.cat(lses, 0)
+
+
 def cudnn_attention(qf, kf, vf, scale: float):
     """(out, natural-log lse) of causal attention ``[B,Hq,n,D]`` x ``[B,H,n,D]`` by PyTorch's cuDNN op."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(qf, kf, vf, None, True, 0.0, True, False, scale=scale)
     return out[0], out[1]
 
 
-def attention(q, k_cmp, v_cmp, config, scale: float, attend=cudnn_attention):
+def attention(q, k_cmp, v_cmp, config, scale: float, attend=cudnn_attention, limit: int = MAX_ELEMS):
     """Eq. 5's compressed attention from the sequence's start: (o ``[B,T,HQ,Dv]``, lse ``[B,HQ,T]`` float32
     base 2, +inf where a row sees no key; the lse carries no gradient)."""
     B, T, HQ, _ = q.shape
@@ -98,7 +135,8 @@ def attention(q, k_cmp, v_cmp, config, scale: float, attend=cudnn_attention):
     parts = [q.new_zeros(B, min(T, l - 1), HQ, Dv)]  # t < l - 1: no compressed key is visible
     lse = torch.full((B, HQ, T), float("inf"), device=q.device, dtype=torch.float32)
     if n:
-        of, lse_f = attend(fold_queries(q, l, d), fold_keys(k_cmp, n, d), fold_keys(v_cmp, n, d), scale)
+        of, lse_f = attend_in_pieces(fold_queries(q, l, d), fold_keys(k_cmp, n, d), fold_keys(v_cmp, n, d), scale,
+                                     attend, d, max(q.shape[3], Dv), limit)
         parts.append(unfold_rows(of, d))
         lse[:, :, l - 1:t0] = unfold_lse(lse_f.detach(), d)
     if t0 < T and n_need:
