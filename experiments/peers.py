@@ -15,6 +15,15 @@ branches. What it computes differs from this project's layer:
   compressed scores; query heads grouped by G >= 16, a power of two;
 * the sliding window only through the flash-attn package (on k_sel/v_sel); without flash-attn (the GPU
   boxes) it has no window branch, and its row is compressed + selected.
+
+``flash_nsa`` (mdy666/Scalable-Flash-Native-Sparse-Attention, no package on an index: its ``flash_nsa``
+directory importable, e.g. the repository's checkout on PYTHONPATH): its kernels for the compressed attention
+(``compress_attn``, with its lse), the block scores and top-n (``slc_topk_indices``), the selected attention
+(``select_attn``) and the gated sum (``fused_sigmoid_combine``), on this project's q, k_cmp/v_cmp (the same
+compression), k_sel/v_sel and gates; its window needs flash-attn, so the window is this project's triton
+kernel on k_win/v_win, as in the nsa row with ``backend.win=triton`` (one window kernel in both rows). Its
+sigmoid is applied to the gates the layer already squashed: the same work as its own layer's. Only the ops
+are imported (the package's ``__init__`` imports its layers and their dependencies: pandas, megatron).
 """
 from __future__ import annotations
 
@@ -75,7 +84,63 @@ def fla(x: CoreInputs, c: NSAConfig) -> Peer:
     return Peer("fla", fn, ("cmp", "sel", "win") if window else ("cmp", "sel"), note)
 
 
-BUILD = {"fla": (fla_unavailable, fla)}
+def _flash_nsa_ops():
+    """flash_nsa's op modules, imported without running the package's ``__init__``."""
+    import importlib
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("flash_nsa")
+    if "flash_nsa" not in sys.modules or not hasattr(sys.modules["flash_nsa"], "__path__"):
+        pkg = types.ModuleType("flash_nsa")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        sys.modules["flash_nsa"] = pkg
+    names = ("compress_attn", "topk", "select_attn", "combine")
+    ops = {n: importlib.import_module(f"flash_nsa.ops.{n}") for n in names}
+    return importlib.import_module("flash_nsa.utils").NSAHelper, ops
+
+
+def flash_nsa_unavailable(c: NSAConfig, device: torch.device) -> str | None:
+    if c.d & (c.d - 1) or c.l % c.d or c.l_sel % c.d:
+        return f"flash_nsa needs a power-of-two stride d dividing l and l_sel (got l={c.l}, d={c.d}, l_sel={c.l_sel})"
+    if importlib.util.find_spec("flash_nsa") is None:
+        return ("flash_nsa is not importable (its repository, github.com/mdy666/Scalable-Flash-Native-Sparse-Attention, "
+                "on PYTHONPATH)")
+    if device.type != "cuda":
+        return "flash_nsa's kernels run on CUDA only"
+    try:
+        _flash_nsa_ops()
+    except Exception as e:  # noqa: BLE001 (any import failure: say which)
+        return f"flash_nsa's ops failed to import: {type(e).__name__}: {e}"
+    return None
+
+
+def flash_nsa(x: CoreInputs, c: NSAConfig) -> Peer:
+    from nsa.backends.triton.window import sliding_window_attention
+
+    helper, ops = _flash_nsa_ops()
+    B, S, HQ, Dk = x.q.shape
+    Dv = x.v_sel.shape[-1]
+    helper.set_hyperparameters(kernel_size=c.l, stride=c.d, block_size=c.l_sel, window_size=c.w, top_n=c.n_sel,
+                               num_init_blocks=c.n_init, num_local_blocks=c.n_local)
+    helper.init_cu_seqlens(torch.arange(0, (B + 1) * S, S, device=x.q.device, dtype=torch.int32))
+    scale = Dk ** -0.5
+
+    def fn():
+        q = x.q.flatten(0, 1)
+        cmp_o, lse = ops["compress_attn"].compress_attn(q, x.k_cmp.flatten(0, 1), x.v_cmp.flatten(0, 1), sm_scale=scale)
+        topk, _ = ops["topk"].slc_topk_indices(q, x.k_cmp.flatten(0, 1), lse, sm_scale=scale,
+                                               maybe_efficient_version=True, scale_slc_p=True)
+        slc_o = ops["select_attn"].select_attn(q, x.k_sel.flatten(0, 1), x.v_sel.flatten(0, 1), topk, sm_scale=scale)
+        win_o = sliding_window_attention(x.q, x.k_win, x.v_win, c, scale=scale, q_start=0).flatten(0, 1)
+        return ops["combine"].fused_sigmoid_combine(cmp_o, slc_o, win_o, x.gates.flatten(0, 1)).view(B, S, HQ, Dv)
+
+    note = (f"ran flash_nsa's compress_attn, slc_topk_indices (top-{c.n_sel}), select_attn and fused_sigmoid_combine "
+            "on q, k_cmp/v_cmp, k_sel/v_sel and the gates; window: this project's triton kernel on k_win/v_win")
+    return Peer("flash_nsa", fn, ("cmp", "sel", "win"), note)
+
+
+BUILD = {"fla": (fla_unavailable, fla), "flash_nsa": (flash_nsa_unavailable, flash_nsa)}
 
 
 def rows(names, x: CoreInputs, c: NSAConfig, device: torch.device, tags: dict[str, str]) -> dict[str, Peer]:

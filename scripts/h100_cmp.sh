@@ -3,6 +3,8 @@
 #   STEPS="probe layer" bash scripts/h100_cmp.sh
 #     probe: scripts/cmp_cudnn_probe.py (checks against a float32 reference, branch timings and parts) at PROBE_SEQS
 #     layer: the whole layer, backend.cmp=triton,cudnn at SEQS (dense cuDNN in the same runs)
+#     peers: the whole layer beside flash_nsa (experiments/peers.py; its flash_nsa directory carried in .peers/,
+#            copied onto the path), backend=triton backend.cmp=triton,cudnn at PEER_SEQS, one window kernel (triton)
 #     tests: the compiled kernel tests (TESTS, default tests/test_kernels_gpu.py: every branch to 128k, the cudnn
 #            compressed branch among them; pytest-xdist's -n 3 where the box has it)
 set -u
@@ -16,6 +18,13 @@ fi
 has layer && run "${LAYER_S:-280}" layer "$PWD" python3 -- -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
   prefill.dense_flash=false "prefill.peers=[]" model.timing.warmup=2 model.timing.repeats=8 prefill.per_branch=false \
   -m seq="$SEQS" backend.cmp="${CMP:-triton,cudnn}"
+if has peers; then
+  cp -r .peers/flash_nsa /tmp/site/ 2>/dev/null || echo "no .peers/flash_nsa: the flash_nsa row is skipped"
+  PYTHONPATH=/tmp/site python3 -c "import pkg_resources, pandas" 2>&1 | tail -n 1
+  run "${PEERS_S:-540}" peers "$PWD" python3 -- -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
+    "prefill.peers=[flash_nsa]" prefill.dense_flash=false prefill.per_branch=false model.timing.warmup=2 \
+    model.timing.repeats=8 -m seq="${PEER_SEQS:-8192,16384,32768,65536}" backend.cmp="${CMP:-triton,cudnn}"
+fi
 if has tests; then
   xd=(); python3 -c "import xdist" 2>/dev/null && xd=(-n 3 --dist loadgroup)
   PYTHONPATH=/tmp/site:$PWD timeout "${TEST_S:-540}" python3 -m pytest -q -rfEs -m gpu ${TESTS:-tests/test_kernels_gpu.py} \

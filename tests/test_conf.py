@@ -191,7 +191,7 @@ def test_models():
     ("parity", ["parity.ref_dtype=nosuch"], "parity.ref_dtype='nosuch': one of float64"),
     ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a number >= 0"),
     ("parity", ["~parity.batch"], "parity.batch: missing"),
-    ("prefill", ["prefill.peers=[flax]"], "prefill.peers=['flax']: must be a list of peer names from: fla"),
+    ("prefill", ["prefill.peers=[flax]"], "prefill.peers=['flax']: must be a list of peer names from: fla, flash_nsa"),
     ("decode", ["decode.peers=fla"], "decode.peers='fla': must be a list of peer names from: fla"),
 ])
 def test_bad_configs_raise_one_line(entry, over, needle):

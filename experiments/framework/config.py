@@ -95,15 +95,17 @@ def error_text(e: BaseException) -> str:
 
 
 # Typed keys of each section (checked where the section exists: decode.* only for the decode entry).
-PEERS = ("fla",)  # public NSA kernels with a row in prefill and decode (experiments/peers.py)
+PEERS = ("fla",)  # public NSA kernels with a row in decode (experiments/peers.py)
+PREFILL_PEERS = ("fla", "flash_nsa")  # and in prefill
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
+_PREFILL_PEERS = f"a list of peer names from: {', '.join(PREFILL_PEERS)}"
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE, "parallel.cp": _INT1,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
     "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
     "decode.peers": _PEERS,
-    "prefill.peers": _PEERS,
+    "prefill.peers": _PREFILL_PEERS,
     "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
@@ -120,8 +122,8 @@ def _is_int(v) -> bool:
 def _valid(v, rule: str) -> bool:
     if rule == _BOOL:
         return isinstance(v, bool)
-    if rule == _PEERS:
-        return isinstance(v, ListConfig) and all(x in PEERS for x in v)
+    if rule in (_PEERS, _PREFILL_PEERS):
+        return isinstance(v, ListConfig) and all(x in (PEERS if rule == _PEERS else PREFILL_PEERS) for x in v)
     if rule == _POSITIVE:
         return (_is_int(v) or isinstance(v, float)) and v > 0
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
