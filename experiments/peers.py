@@ -90,10 +90,10 @@ def _flash_nsa_ops():
     import sys
     import types
 
-    spec = importlib.util.find_spec("flash_nsa")
-    if "flash_nsa" not in sys.modules or not hasattr(sys.modules["flash_nsa"], "__path__"):
+    if not hasattr(sys.modules.get("flash_nsa"), "__path__"):
+        spec = importlib.util.find_spec("flash_nsa")
         pkg = types.ModuleType("flash_nsa")
-        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__path__, pkg.__spec__ = list(spec.submodule_search_locations), spec
         sys.modules["flash_nsa"] = pkg
     names = ("compress_attn", "topk", "select_attn", "combine")
     ops = {n: importlib.import_module(f"flash_nsa.ops.{n}") for n in names}

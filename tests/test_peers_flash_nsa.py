@@ -50,6 +50,7 @@ def test_skip_reasons(monkeypatch):
 def test_cpu_is_refused_and_ops_load_without_the_package_init(fake_flash_nsa):
     assert peers.flash_nsa_unavailable(CFG, torch.device("cpu")) == "flash_nsa's kernels run on CUDA only"
     helper, ops = peers._flash_nsa_ops()
+    assert peers._flash_nsa_ops()[1] == ops and peers.importlib.util.find_spec("flash_nsa") is not None  # again: prefill's order
     assert set(ops) == {"compress_attn", "topk", "select_attn", "combine"} and helper.__name__ == "NSAHelper"
 
 
