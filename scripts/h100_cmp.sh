@@ -5,6 +5,8 @@
 #     layer: the whole layer, backend.cmp=triton,cudnn at SEQS (dense cuDNN in the same runs)
 #     peers: the whole layer beside flash_nsa (experiments/peers.py; its flash_nsa directory carried in .peers/,
 #            copied onto the path), backend=triton backend.cmp=triton,cudnn at PEER_SEQS, one window kernel (triton)
+#     profile: the ceilings (scripts/ceilings.py) and the kernel tables of one 64k layer call with backend.cmp=cudnn
+#            (prefill.profile=true; the tables in $OUT/log.txt)
 #     tests: the compiled kernel tests (TESTS, default tests/test_kernels_gpu.py: every branch to 128k, the cudnn
 #            compressed branch among them; pytest-xdist's -n 3 where the box has it)
 set -u
@@ -24,6 +26,12 @@ if has peers; then
   run "${PEERS_S:-540}" peers "$PWD" python3 -- -m experiments.prefill hardware="$HW" model=h200bench backend=triton \
     "prefill.peers=[flash_nsa]" prefill.dense_flash=false prefill.per_branch=false model.timing.warmup=2 \
     model.timing.repeats=8 -m seq="${PEER_SEQS:-8192,16384,32768,65536}" backend.cmp="${CMP:-triton,cudnn}"
+fi
+if has profile; then
+  PYTHONPATH=/tmp/site:$PWD python3 scripts/ceilings.py
+  SUMMARY='^#  ' run "${PROFILE_S:-300}" profile "$PWD" python3 -- -m experiments.prefill hardware="$HW" model=h200bench \
+    backend=triton backend.cmp="${CMP:-cudnn}" prefill.dense_flash=false "prefill.peers=[]" prefill.per_branch=false \
+    prefill.profile=true seq="${PROFILE_SEQ:-65536}"
 fi
 if has tests; then
   xd=(); python3 -c "import xdist" 2>/dev/null && xd=(-n 3 --dist loadgroup)
