@@ -30,7 +30,8 @@ ROWS = {  # the rows each op times here (its peers that need CUDA are skipped, t
               "separate_gate_one_stream"],
     "decode": ["nsa", "cmp", "cmp_no_topk", "sel", "win", "combine", "layer", "dense", "module_eager"],
 }
-SKIPPED = {"compressed": {"skipped_flex": "CUDA"}, "window": {"skipped_fa2": "runs on CUDA devices only"}}
+SKIPPED = {"compressed": {"skipped_flex": "CUDA", "skipped_cudnn": "needs a CUDA device (cuDNN attention)"},
+           "window": {"skipped_fa2": "runs on CUDA devices only"}}
 # name: (arguments, environment, texts of the one stderr line)
 BAD = {
     "unknown_key": (["op=topn", "tuning.compressed.bogus=1"], INTERPRET, ["tuning.compressed: unknown key 'bogus'"]),
@@ -161,4 +162,4 @@ def test_fla_reasons_in_order():
     assert "l=32, d=16, l_sel=16" in peers.fla_unavailable(NSAConfig(**{**base, "l": 32}), cpu)
     assert "n_init=2" in peers.fla_unavailable(NSAConfig(**{**base, "n_init": 2}), cpu)
     assert FLA_AT in peers.fla_unavailable(NSAConfig(**base), cpu)
-    assert set(peers.BUILD) == set(config.PEERS)
+    assert set(peers.BUILD) == set(config.PREFILL_PEERS) and set(config.PEERS) <= set(peers.BUILD)
