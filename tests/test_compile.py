@@ -141,6 +141,8 @@ def _op_cases():
     o, lse, idx = compressed._compressed_fwd_op.op(*args)
     do = torch.randn(o.shape, generator=g)
     cases += [("compressed_fwd", compressed._compressed_fwd_op.op, args),
+              ("compressed_scores", compressed.compressed_scores_op.op,
+               (q, kc, vc, lse, list(Blocks.of(CFG)), scale, nb, tune("compressed"))),
               ("attention_bwd", attention_bwd._attention_bwd_op.op,
                (q, kc, vc, o, lse, do, scale, 0, CFG.d, CFG.l - 1, 0, tune("attention_bwd"))),
               ("window_fwd", window._window_fwd_op.op, (q, k, v, CFG.w, scale, 0, tune("window")))]

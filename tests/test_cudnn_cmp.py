@@ -21,6 +21,7 @@ from nsa import reference  # noqa: E402
 from nsa.backends import cudnn  # noqa: E402
 from nsa.backends.triton import poisoned_outputs, triton_unsupported, tuning  # noqa: E402
 from nsa.backends.triton.compressed import compressed_branch as triton_compressed  # noqa: E402
+from nsa.toolchain import parse_version  # noqa: E402
 from test_triton_compressed import CMP_CASES, CMP_IDS, close, cmp_inputs, rand  # noqa: E402
 
 pytestmark = [
@@ -146,3 +147,22 @@ def test_refuses_q_start_and_other_branches():
     assert "CUDA" in be.unavailable("cmp", torch.device("cpu"), torch.bfloat16)
     assert "float16, bfloat16" in be.unavailable("cmp", torch.device("cuda"), torch.float32)
     assert "cu_seqlens" in be.varlen_unavailable("cmp", torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.skipif(parse_version(torch.__version__) < (2, 11), reason="Dynamo checked from torch 2.11")
+def test_compiles_fullgraph(fast_interpreter):
+    """torch.compile(fullgraph=True) of the branch (aot_eager: Dynamo and AOTAutograd, eager kernels): the same
+    output, indices and gradients as eager; the score pass is one node (nsa::compressed_scores)."""
+    cfg, _, q, k, v = cmp_inputs(CMP_CASES[0], torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *x: cudnn.compressed_branch(*x, cfg, attend=math_attend), fullgraph=True,
+                             backend="aot_eager")
+    res = []
+    for fn in (compiled, lambda *x: cudnn.compressed_branch(*x, cfg, attend=math_attend)):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, idx = fn(*xs)
+        res.append((o, idx, torch.autograd.grad(o, xs, torch.ones_like(o))))
+    (o1, i1, g1), (o2, i2, g2) = res
+    assert torch.equal(i1, i2)
+    for a, b in zip((o1, *g1), (o2, *g2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

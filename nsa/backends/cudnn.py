@@ -14,6 +14,9 @@ key (output 0, lse +inf). Everything is a differentiable torch operation: the ba
 normalized probabilities: ``nsa.backends.triton.compressed`` recomputes them from this lse in its score-only
 pass (q k^T once, no p @ v) and the top-n follows as on the triton backend.
 
+torch.compile traces it whole: the fold, cuDNN's op and the score pass (the custom op ``nsa::compressed_scores``)
+are graph nodes; the stream hook ``on_scored`` runs in eager only, as on the triton backend.
+
 Runs from the sequence's start (``q_start = 0``) on one sequence per batch row; chunked prefill and context
 parallelism (q_start > 0) and packed documents are the triton backend's: a call with q_start > 0 is an
 error naming it. ``sel`` and ``win`` are reported unavailable.
@@ -151,19 +154,24 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
     """``(o_cmp [B,T,HQ,Dv], indices [B,T,H,n_sel])``, as ``nsa.reference.compressed_branch`` for q_start = 0.
     ``attend(qf, kf, vf, scale) -> (out, lse)``: the folded causal attention (cuDNN; tests pass another)."""
     from .triton import tuning
-    from .triton.compressed import _forward
-    from .triton.utils import default_scale
+    from .triton.compressed import _forward, compressed_scores_op
+    from .triton.utils import Blocks, default_scale
 
     if q_start != 0:
         raise ValueError(f"backend cudnn: q_start={q_start}: the compressed branch runs from the sequence's start "
                          "only (q_start=0); backend.cmp=triton runs chunked prefill and context parallelism")
     scale = float(default_scale(q, scale))
     o, lse = attention(q, k_cmp, v_cmp, config, scale, attend)
-    S = q.shape[1] if n_keys is None else n_keys
+    nb = config.n_blocks(q.shape[1] if n_keys is None else n_keys)
+    tune = tuning.params("compressed", q.device)
+    q, k_cmp, v_cmp = (x.detach().contiguous() for x in (q, k_cmp, v_cmp))
     with torch.no_grad():
-        _, _, idx = _forward(q.detach().contiguous(), k_cmp.detach().contiguous(), v_cmp.detach().contiguous(),
-                             config, scale=scale, q_start=0, n_blocks=config.n_blocks(S), on_scored=on_scored,
-                             tune=tuning.params("compressed", q.device), lse_in=lse)
+        if on_scored is None:  # one custom op (nsa::compressed_scores): torch.compile traces it as one node
+            idx = compressed_scores_op(q, k_cmp, v_cmp, lse, list(Blocks.of(config)), scale, int(nb),
+                                       tuning.encode("compressed", tune))
+        else:  # the stream hook between the scores and the top-n: eager
+            idx = _forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
+                           tune=tune, lse_in=lse)[2]
     return o, idx
 
 

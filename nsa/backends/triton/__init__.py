@@ -13,7 +13,8 @@ One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12)
 (the backward's delta), ``decode``; ``tiles`` holds the JIT tile helpers several of them share,
 ``utils`` the host-side ones, ``tuning`` every launch parameter.
 
-torch.compile: each forward and backward is a custom op (``nsa::compressed_fwd``, ``nsa::window_fwd``,
+torch.compile: each forward and backward is a custom op (``nsa::compressed_fwd``, ``nsa::compressed_scores`` (the
+score-only pass the ``cudnn`` backend runs), ``nsa::window_fwd``,
 ``nsa::attention_bwd``, ``nsa::selection_fwd``, ``nsa::selection_bwd``, ``nsa::gate_fwd``, ``nsa::gate_bwd``;
 ``nsa._compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
 branch's ``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` traces a layer built on this backend,

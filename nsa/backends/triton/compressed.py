@@ -330,6 +330,19 @@ def _compressed_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks
                     tune=tuning.decode("compressed", tune))
 
 
+def _compressed_scores_fake(q, k, v, lse, blocks, scale, n_blocks, tune):
+    return q.new_empty(q.shape[0], q.shape[1], k.shape[2], Blocks(*blocks).n_sel, dtype=torch.int64)
+
+
+@custom_op("nsa::compressed_scores", _compressed_scores_fake)
+def compressed_scores_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, blocks: Sequence[int],
+                         scale: float, n_blocks: int, tune: Sequence[int]) -> torch.Tensor:
+    """The top-n indices of rows from the sequence's start, their Eq. 9/10 scores from the given base-2 lse
+    ``[B,HQ,Tq]`` (:func:`_forward`'s score-only pass; ``nsa.backends.cudnn`` gives it cuDNN's)."""
+    return _forward(q, k, v, Blocks(*blocks), scale=scale, q_start=0, n_blocks=n_blocks, on_scored=None,
+                    tune=tuning.decode("compressed", tune), lse_in=lse)[2]
+
+
 class CompressedAttention(torch.autograd.Function):
     """(o_cmp, indices) of the compressed branch; differentiable in q, k_cmp, v_cmp through o_cmp. By the custom
     ops ``nsa::compressed_fwd`` and ``nsa::attention_bwd`` (see the package docstring); ``on_scored`` and
