@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,10 +88,6 @@ def fla(x: CoreInputs, c: NSAConfig) -> Peer:
 
 def _flash_nsa_ops():
     """flash_nsa's op modules, imported without running the package's ``__init__``."""
-    import importlib
-    import sys
-    import types
-
     if not hasattr(sys.modules.get("flash_nsa"), "__path__"):
         spec = importlib.util.find_spec("flash_nsa")
         pkg = types.ModuleType("flash_nsa")

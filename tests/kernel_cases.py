@@ -121,13 +121,21 @@ def _mismatch(idx, idx_ref) -> float:
     return float((idx != idx_ref).double().mean()) if idx.numel() else 0.0
 
 
+_BRANCH_WORDS = {"cmp": "the compressed branch", "sel": "the selected branch", "win": "the window"}
+
+
+def _require(backend: str, branch: str, device, dtype) -> None:
+    """Skips the test (``skip_unavailable``) where ``backend`` cannot run ``branch`` on device/dtype."""
+    reason = dispatch.get(backend).unavailable(branch, device, dtype)
+    if reason is not None:
+        skip_unavailable(f"backend {backend!r} cannot run {_BRANCH_WORDS[branch]} on {device}/{dtype}: {reason}")
+
+
 def cmp_branch(case: Case, device, dtype, ref_dtype, tol: Tol, backend="triton"):
     """The compressed branch (Eq. 5 over compressed keys, Eqs. 8-12 top-n): o_cmp, dq, dk_cmp, dv_cmp and
     the indices."""
     device = torch.device(device)
-    reason = dispatch.get(backend).unavailable("cmp", device, dtype)
-    if reason is not None:
-        skip_unavailable(f"backend {backend!r} cannot run the compressed branch on {device}/{dtype}: {reason}")
+    _require(backend, "cmp", device, dtype)
     cfg, S = case.config(), case.T
     x = inputs(case, device, dtype)
     c = Compare(case, x, ("q", "k_cmp", "v_cmp"), ref_dtype)
@@ -162,9 +170,7 @@ def sel_branch(case: Case, device, dtype, ref_dtype, tol: Tol, backend="triton")
 def win_branch(case: Case, device, dtype, ref_dtype, tol: Tol, backend: str):
     """The sliding window on ``backend``: o_win, dq, dk_win, dv_win."""
     device = torch.device(device)
-    reason = dispatch.get(backend).unavailable("win", device, dtype)
-    if reason is not None:
-        skip_unavailable(f"backend {backend!r} cannot run the window on {device}/{dtype}: {reason}")
+    _require(backend, "win", device, dtype)
     cfg, S = case.config(), case.T
     x = inputs(case, device, dtype)
     c = Compare(case, x, ("q", "k_win", "v_win"), ref_dtype)
@@ -181,10 +187,8 @@ def layer(case: Case, device, dtype, ref_dtype, tol: Tol, win: str, cmp: str = "
     on ``win``, the gated sum, Eq. 5): the output with a gradient, the output without one (the gate fused into the selected
     branch), every input's gradient, and the top-n against the reference's own."""
     device = torch.device(device)
-    for branch, name in (("win", win), ("cmp", cmp)):
-        reason = dispatch.get(name).unavailable(branch, device, dtype)
-        if reason is not None:
-            skip_unavailable(f"backend {name!r} cannot run the {branch} branch on {device}/{dtype}: {reason}")
+    _require(win, "win", device, dtype)
+    _require(cmp, "cmp", device, dtype)
     cfg, S, R = case.config(), case.T, case.rows
     x = inputs(case, device, dtype)
     args = [x[n] for n in ARG_ORDER]

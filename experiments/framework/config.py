@@ -100,6 +100,7 @@ PREFILL_PEERS = ("fla", "flash_nsa")  # and in prefill
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 _PREFILL_PEERS = f"a list of peer names from: {', '.join(PREFILL_PEERS)}"
+_PEER_NAMES = {_PEERS: PEERS, _PREFILL_PEERS: PREFILL_PEERS}  # rule -> the names it allows
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE, "parallel.cp": _INT1,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
@@ -122,8 +123,8 @@ def _is_int(v) -> bool:
 def _valid(v, rule: str) -> bool:
     if rule == _BOOL:
         return isinstance(v, bool)
-    if rule in (_PEERS, _PREFILL_PEERS):
-        return isinstance(v, ListConfig) and all(x in (PEERS if rule == _PEERS else PREFILL_PEERS) for x in v)
+    if rule in _PEER_NAMES:
+        return isinstance(v, ListConfig) and all(x in _PEER_NAMES[rule] for x in v)
     if rule == _POSITIVE:
         return (_is_int(v) or isinstance(v, float)) and v > 0
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)

@@ -24,13 +24,10 @@ error naming it. ``sel`` and ``win`` are reported unavailable.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..dispatch import Backend
-
-LOG2E = 1.0 / math.log(2.0)
+from .triton.utils import LOG2E
 CMP_ONLY = ("cudnn runs the compressed branch only (its attention folded into causal attention over the "
             "compressed keys); use backend.{branch}=triton")
 
