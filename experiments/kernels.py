@@ -26,26 +26,22 @@ from __future__ import annotations
 import json
 
 import hydra
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from nsa.backends.triton import tuning
 
 from . import ops
 from .framework import Job, Result, launch, run_job
+from .framework.config import register_tuning_group, tuning_overrides
 from .ops.bench import Bench
 
-# ``tuning`` takes keys the config does not list (tuning.<op>.<key>=...; tuning.KEYS says which exist and
-# conf validation checks them): a node without OmegaConf's struct flag, so no "+" is needed.
-_open = OmegaConf.create({})
-OmegaConf.set_struct(_open, False)
-ConfigStore.instance().store(group="tuning", name="none", node=_open)
+register_tuning_group()
 
 
 def work(job: Job) -> Result:
     b = Bench(job)
     op = ops.get(job.cfg.op.name)
-    with tuning.overrides(OmegaConf.to_container(job.cfg.tuning, resolve=True)):
+    with tuning.overrides(tuning_overrides(job.cfg)):
         b.tags["tuning_table"] = tuning.key(job.device)
         b.texts["tuning_table.json"] = json.dumps(tuning.table(job.device), indent=1)
         if job.cfg.kernels.once:

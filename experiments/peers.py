@@ -113,15 +113,36 @@ def flash_nsa_unavailable(c: NSAConfig, device: torch.device) -> str | None:
     return None
 
 
+def _flash_nsa_setup(c: NSAConfig, B: int, S: int, device: torch.device) -> dict:
+    """flash_nsa's ops, its (class-level) hyperparameters set to ``c`` and its sequences to B of S tokens."""
+    helper, ops = _flash_nsa_ops()
+    helper.set_hyperparameters(kernel_size=c.l, stride=c.d, block_size=c.l_sel, window_size=c.w, top_n=c.n_sel,
+                               num_init_blocks=c.n_init, num_local_blocks=c.n_local)
+    helper.init_cu_seqlens(torch.arange(0, (B + 1) * S, S, device=device, dtype=torch.int32))
+    return ops
+
+
+def flash_nsa_selection(c: NSAConfig, B: int, S: int, device: torch.device) -> Callable[..., torch.Tensor]:
+    """flash_nsa's selected attention alone (``select_attn``, differentiable) as ``fn(q, k, v, idx)`` on this
+    project's layout: q ``[B,S,HQ,Dk]``, k/v ``[B,S,H,D]``, idx ``[B,S,H,n_sel]`` (ascending, -1 after the
+    valid blocks: its kernels read the first min(n_sel, ceil((t+1)/l_sel)) of a row)."""
+    ops = _flash_nsa_setup(c, B, S, device)
+
+    def fn(q, k, v, idx):
+        topk = idx.permute(2, 0, 1, 3).flatten(1, 2).contiguous()  # [H, B*S, n_sel]
+        o = ops["select_attn"].select_attn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), topk,
+                                           sm_scale=q.shape[-1] ** -0.5)
+        return o.view(*q.shape[:3], v.shape[-1])
+
+    return fn
+
+
 def flash_nsa(x: CoreInputs, c: NSAConfig) -> Peer:
     from nsa.backends.triton.window import sliding_window_attention
 
-    helper, ops = _flash_nsa_ops()
     B, S, HQ, Dk = x.q.shape
     Dv = x.v_sel.shape[-1]
-    helper.set_hyperparameters(kernel_size=c.l, stride=c.d, block_size=c.l_sel, window_size=c.w, top_n=c.n_sel,
-                               num_init_blocks=c.n_init, num_local_blocks=c.n_local)
-    helper.init_cu_seqlens(torch.arange(0, (B + 1) * S, S, device=x.q.device, dtype=torch.int32))
+    ops = _flash_nsa_setup(c, B, S, x.q.device)
     scale = Dk ** -0.5
 
     def fn():

@@ -18,24 +18,30 @@ tokens, selected tokens u <= t, window): 2 * (Dk + Dv) per query head and key. F
 counts 3.5x the forward (backward = 2.5x: the FlashAttention benchmark convention).
 With ``parallel.cp=N`` under ``torchrun --nproc_per_node N`` (docs/cluster.md), each rank times the
 context-parallel path on its part of the sequence instead (:func:`cp_work`: per-rank times, the all-gather's share).
+Launch parameters of the triton kernels: ``tuning.<op>.<key>=<value>``, as in ``experiments.kernels`` (validated
+first, applied around the job, tag ``tuning_overrides``), so a layer-level A/B of a tile is one sweep.
 """
 from __future__ import annotations
 
 import logging
+
+import json
 
 import hydra
 import torch
 from omegaconf import DictConfig
 
 from nsa import NSAAttention
+from nsa.backends.triton import tuning
 
 from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .framework.config import register_tuning_group, tuning_overrides
 from .measure.branches import core, selection_indices
 from .measure.dense import dense_attention
 from .measure.inputs import prefill_inputs
 from .measure.timing import profile_table, quantiles, time_ms
-from .measure.tokens import branch_tokens, selected_tokens, variant_tokens
+from .measure.tokens import block_union_fraction, branch_tokens, selected_tokens, variant_tokens
 
 BWD_FACTOR = 3.5
 log = logging.getLogger("experiments.prefill")
@@ -143,7 +149,20 @@ def cp_work(job: Job) -> Result:
     return Result(rows, metrics, headline=headline, tags=tags)
 
 
+register_tuning_group()
+SHARING_TILES = (2, 4, 8)  # query rows per tile of the block-sharing metrics
+
+
 def work(job: Job) -> Result:
+    over = tuning_overrides(job.cfg)
+    with tuning.overrides(over):
+        res = _work(job)
+    if over:
+        res.tags["tuning_overrides"] = json.dumps(over, sort_keys=True)
+    return res
+
+
+def _work(job: Job) -> Result:
     if job.cp is not None:  # parallel.cp > 1: the context-parallel path, timed per rank
         return cp_work(job)
     p, c, S = job.cfg.prefill, job.nsa, job.seq
@@ -230,7 +249,10 @@ def work(job: Job) -> Result:
                 **{f"nsa_{t}_speedup_vs_{d}_x": nsa[f"{t}_speedup_vs_{d}_x"] for t in timings for d in ["dense", *peer]},
                 "nsa_fwd_tflop_per_s": nsa["fwd_tflop_per_s"]}
     charts = Charts("seq_tokens", "variant", tuple(f"{t}_{y}" for y in ("p50_ms", "speedup_vs_dense_x") for t in timings))
-    return Result(rows, {}, headline=headline, charts=charts, tags=tags, texts=texts)
+    # block sharing among neighbouring queries of this layer's own top-n (what a tile of m query rows that
+    # loads each block once would save: docs/experiments.md)
+    metrics = {f"sel_block_union_frac_m{m}": block_union_fraction(idx, m) for m in SHARING_TILES}
+    return Result(rows, metrics, headline=headline, charts=charts, tags=tags, texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")

@@ -146,7 +146,8 @@ def cases(dk, dv, arch=90):
                dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
-                CU_K="*i32"), (), dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
+                CU_K="*i32"), (), dict(num_warps=sel_t["dq_warps"] or sel_t["warps"],
+                                       num_stages=sel_t["dq_stages"] or sel_t["stages"]))
     for G in (16, 4, 1):  # block-outer kernels at the group sizes the plans of BENCHMARKS.md use
         GP, BQ = selection._block_q(G, max(dk, dv), sel_t["rows"] or (128 if G == 1 else 64))
         kv = dict(G=G, GP=GP, L_SEL=64, DK=dk, DV=dv, BLOCK_Q=BQ, BLOCK_L=64, BLOCK_DK=p2(dk, 16),
@@ -155,13 +156,14 @@ def cases(dk, dv, arch=90):
                    CU_Q="*i32", CU_K="*i32")
         yield (f"sel fwd kv G{G}", selection._fwd_kv_kernel, kv, dict(Q=bf, K=bf, V=bf, OPART=bf, LPART=f32, **ent),
                (), dict(num_warps=sel_t["kv_warps"], num_stages=sel_t["kv_stages"] or (2 if G == 1 else 3)))
-        GPb, BQb = selection._block_q(G, max(dk, dv), sel_t["bwd_rows"])
         for write_dq in (False, True):
+            bwd = selection._bwd_launch(sel_t, G, 2, write_dq)
+            GPb, BQb = selection._block_q(G, max(dk, dv), bwd["rows"])
             yield (f"sel bwd kv G{G}" + (" dq" if write_dq else ""), selection._bwd_kv_kernel,
                    dict(kv, GP=GPb, BLOCK_Q=BQb, WRITE_DQ=write_dq),
                    dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK32=f32, DV32=f32, DQPART=bf if write_dq else f32,
                         **ent), (),
-                   dict(num_warps=sel_t["bwd_warps"], num_stages=sel_t["bwd_stages"]))
+                   dict(num_warps=bwd["warps"], num_stages=bwd["stages"]))
     if dk == 128:
         for gated in (False, True):
             yield ("sel combine" + (" gated" if gated else ""), selection._combine_kernel,

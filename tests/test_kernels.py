@@ -24,13 +24,14 @@ OPS = ("selection", "compressed", "topn", "window", "gate", "layer", "decode")
 TINY = ("hardware=cpu", "model=tiny", "seq=64", "kernels.cpu_repeats=1")
 INTERPRET = {"TRITON_INTERPRET": "1"}
 ROWS = {  # the rows each op times here (its peers that need CUDA are skipped, tag skipped_<row>)
-    "selection": ["triton"], "compressed": ["triton"], "topn": ["triton"], "window": ["triton", "sdpa"],
+    "selection": ["triton", "gather_floor"], "compressed": ["triton"], "topn": ["triton"], "window": ["triton", "sdpa"],
     "gate": ["triton", "torch"],
     "layer": ["default", "separate_gate", "window_first", "separate_gate_window_first", "one_stream",
               "separate_gate_one_stream"],
     "decode": ["nsa", "cmp", "cmp_no_topk", "sel", "win", "combine", "layer", "dense", "module_eager"],
 }
-SKIPPED = {"compressed": {"skipped_flex": "CUDA", "skipped_cudnn": "needs a CUDA device (cuDNN attention)"},
+SKIPPED = {"selection": {"skipped_flash_nsa": "flash_nsa"},  # not importable, or (where it is) CUDA only
+           "compressed": {"skipped_flex": "CUDA", "skipped_cudnn": "needs a CUDA device (cuDNN attention)"},
            "window": {"skipped_fa2": "runs on CUDA devices only"}}
 # name: (arguments, environment, texts of the one stderr line)
 BAD = {
@@ -72,6 +73,13 @@ def runs(tmp_path_factory):
     for k, (args, env, _) in BAD.items():
         tmp = tmp_path_factory.mktemp(k)
         procs[k] = (tmp, start(tmp, "kernels", *TINY, *args, name=k, extra_env=env))
+    tmp = tmp_path_factory.mktemp("prefill_tuning")  # prefill takes the same launch overrides
+    procs["prefill_tuning"] = (tmp, start(tmp, "prefill", "hardware=cpu", "model=tiny", "seq=64", "prefill.per_branch=false",
+                                          "prefill.backward=false", "tuning.selection.warps=2", "tuning.topn.elems=256",
+                                          template=template))
+    tmp = tmp_path_factory.mktemp("prefill_bad_tuning")
+    procs["prefill_bad_tuning"] = (tmp, start(tmp, "prefill", "hardware=cpu", "model=tiny", "seq=64",
+                                              "tuning.selection.wraps=2", name="prefill_bad_tuning"))
     for k, (entry, args, _) in PEER_SKIPS.items():
         tmp = tmp_path_factory.mktemp(k)
         procs[k] = (tmp, start(tmp, entry, "hardware=cpu", "model=tiny", *args, template=template))
@@ -136,6 +144,37 @@ def test_a_tuning_override_reaches_the_launch(monkeypatch):
     assert res.failure is None and [r["variant"] for r in res.rows] == ["triton"]
     assert seen and all((t["elems"], t["warps"]) == (256, 2) for t in seen)  # the interpreter's table: 2048, 4
     assert json.loads(res.texts["tuning_table.json"])["topn"] == {"elems": 256, "warps": 2}
+    assert tuning.params("topn", "interpret") == tuning.TABLES["interpret"]["topn"]
+
+
+def test_prefill_takes_tuning_overrides(runs):
+    """A layer-level A/B of a launch parameter: prefill applies tuning.<op>.<key> and records it; a key the
+    table lacks is refused in one line, exit 2, before anything runs."""
+    tmp, rc, out, err = runs["prefill_tuning"]
+    assert rc == 0, err[-3000:]
+    _, (r,) = entrypoints.runs(tmp / "mlflow.db", "prefill")
+    assert r.info.status == "FINISHED"
+    assert json.loads(r.data.tags["tuning_overrides"]) == {"selection": {"warps": 2}, "topn": {"elems": 256}}
+    tmp, rc, out, err = runs["prefill_bad_tuning"]
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1 and "tuning.selection: unknown key 'wraps'" in lines[0], err[-2000:]
+    assert not (tmp / "out").exists()
+
+
+def test_prefill_applies_the_overrides_while_it_runs(monkeypatch):
+    """In-process: the top-n launches inside a prefill job see the override; the table is back after."""
+    import experiments.prefill as prefill
+
+    seen, real = [], topn.topn_rows
+    monkeypatch.setattr(topn, "topn_rows", lambda width, n_sel, tune: seen.append(dict(tune)) or real(width, n_sel, tune))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with initialize_config_dir(config_dir=str(config.CONF_DIR), version_base="1.3"):
+        cfg = compose("prefill", overrides=["hardware=cpu", "model=tiny", "seq=64", "backend=triton",
+                                            "prefill.per_branch=false", "prefill.backward=false", "prefill.peers=[]",
+                                            "prefill.repeats=1", "prefill.warmup=0", "tuning.topn.elems=256"])
+    res = prefill.work(config.prepare(cfg, "prefill"))
+    assert res.failure is None and json.loads(res.tags["tuning_overrides"]) == {"topn": {"elems": 256}}
+    assert seen and all(t["elems"] == 256 for t in seen)
     assert tuning.params("topn", "interpret") == tuning.TABLES["interpret"]["topn"]
 
 

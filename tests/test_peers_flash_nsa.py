@@ -74,3 +74,27 @@ def test_row_calls_its_ops_on_the_projects_inputs(fake_flash_nsa, monkeypatch):
     assert helper.calls[0] == dict(kernel_size=8, stride=4, block_size=8, window_size=16, top_n=4, num_init_blocks=1,
                                    num_local_blocks=2)
     assert helper.calls[1] == [0, 12, 24]
+
+
+def test_selection_alone_passes_heads_first_indices(fake_flash_nsa, monkeypatch):
+    """op=selection's flash_nsa row: select_attn gets [t, heads, D] tensors and the indices as [H, B*S, n_sel]."""
+    B, S, H, n = 2, 12, 2, 3
+    c = NSAConfig(dim=64, n_heads=4, n_kv_heads=H, d_k=16, d_v=8, l=8, d=4, l_sel=8, n_sel=n, w=16)
+    q, k, v = torch.randn(B, S, 4, 16), torch.randn(B, S, H, 16), torch.randn(B, S, H, 8)
+    idx = torch.randint(-1, 2, (B, S, H, n), dtype=torch.int32)
+    fn = peers.flash_nsa_selection(c, B, S, torch.device("cpu"))
+    got = {}
+
+    def select_attn(q_, k_, v_, topk, sm_scale):
+        got.update(q=q_, k=k_, topk=topk, scale=sm_scale)
+        return torch.arange(q_.shape[0] * q_.shape[1] * v_.shape[-1], dtype=torch.float32).view(*q_.shape[:2], -1)
+
+    monkeypatch.setattr(sys.modules["flash_nsa.ops.select_attn"], "select_attn", select_attn)
+    o = fn(q, k, v, idx)
+    assert got["topk"].shape == (H, B * S, n) and got["topk"].is_contiguous()
+    for b, t, h in [(0, 0, 0), (1, 5, 1), (1, 11, 0), (0, 7, 1)]:
+        assert torch.equal(got["topk"][h, b * S + t], idx[b, t, h])
+    assert torch.equal(got["q"], q.flatten(0, 1)) and torch.equal(got["k"], k.flatten(0, 1)) and got["scale"] == 0.25
+    assert o.shape == (B, S, 4, 8) and o[1, 0, 0, 0] == S * 4 * 8  # row b*S + t of its output is (b, t)
+    helper = sys.modules["flash_nsa.utils"].NSAHelper
+    assert helper.calls[-1] == [0, 12, 24] and helper.calls[-2]["top_n"] == n

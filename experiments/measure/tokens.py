@@ -23,6 +23,24 @@ def selected_tokens(idx: torch.Tensor, config: NSAConfig, q_start: int) -> torch
     return torch.where(idx >= 0, per_block, torch.zeros_like(per_block)).sum(-1)
 
 
+def block_union_fraction(idx: torch.Tensor, m: int) -> float:
+    """How much neighbouring queries share their selected blocks: over tiles of ``m`` consecutive query rows
+    of one sequence and key/value head, the distinct valid blocks they selected divided by the valid entries
+    (what a kernel that loads each row's blocks on its own reads). 1.0: no sharing; 1/m: all the same blocks.
+    idx ``[B,Tq,H,n_sel]`` (-1 padded); the last Tq % m rows are left out."""
+    B, T, H, n = idx.shape
+    T = (T // m) * m
+    if T == 0:
+        return float("nan")
+    tiles = idx[:, :T].reshape(B, T // m, m, H, n).permute(0, 1, 3, 2, 4).reshape(B, T // m, H, m * n).long()
+    s = tiles.sort(-1).values
+    valid = s >= 0
+    first = torch.ones_like(valid)
+    first[..., 1:] = s[..., 1:] != s[..., :-1]
+    distinct = (first & valid).sum().item()
+    return distinct / max(valid.sum().item(), 1)
+
+
 def branch_tokens(config: NSAConfig, t: torch.Tensor, sel: torch.Tensor) -> dict[str, torch.Tensor]:
     """Key/value tokens each branch reads for queries at positions t (broadcast against sel [B,Tq,H])."""
     n_cmp = torch.where(t + 1 >= config.l, (t + 1 - config.l) // config.d + 1, torch.zeros_like(t))

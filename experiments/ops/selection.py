@@ -5,6 +5,11 @@ reference top-n (``reference.select_blocks``: the n_init first and n_local newes
 uniform random scores. Row ``triton``: forward and forward+backward; FLOPs over the tokens u <= t of
 the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
 block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16, in row chunks at long T).
+
+Row ``gather_floor`` (forward only): the query-outer forward's key/value loads alone
+(``selection_floor``), with the bytes they move: that design's memory bound on this card, whichever
+family row ``triton`` ran. Row ``flash_nsa`` (with ``kernels.peers``, where importable, on CUDA): the
+strongest public NSA kernel set's ``select_attn`` on the same indices, checked but not held.
 """
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from nsa.backends.triton import tuning
 from nsa.backends.triton.selection import selected_attention
 from nsa.backends.triton.utils import poisoned_outputs
 
+from .. import peers
 from ..measure.tokens import selected_tokens
+from . import selection_floor
 from .bench import Bench, backward_of, leaves
 
 CHUNK = 8192  # queries per chunk of random scores (bounds their memory)
@@ -39,6 +46,17 @@ def inputs(b: Bench, T: int):
     return q, k, v, do, random_indices(b, T)
 
 
+def flash_nsa(b: Bench, T: int, record: bool = True):
+    """flash_nsa's select_attn on B sequences of T tokens, or None (where ``record``, the row skipped with
+    its reason)."""
+    why = peers.flash_nsa_unavailable(b.c, b.dev)
+    if why:
+        if record:
+            b.skip("flash_nsa", why)
+        return None
+    return peers.flash_nsa_selection(b.c, b.B, T, b.dev)
+
+
 def check(b: Bench) -> None:
     q, k, v, do, idx = inputs(b, b.check_seq)
     xs = leaves(q, k, v)
@@ -50,16 +68,38 @@ def check(b: Bench) -> None:
     o_r.backward(do.to(b.ref_dtype))
     b.compare("o", o, o_r)
     b.compare_grads("", ("dq", "dk", "dv"), xs, xr)
+    if not selection_floor.unavailable(k, v, b.c.l_sel):
+        got, ref = selection_floor.gather_sums(k, v, idx, b.c.l_sel), selection_floor.gather_sums_reference(
+            k, v, idx, b.c.l_sel)
+        for n, g, r in zip(("floor_k_sums", "floor_v_sums"), got, ref):
+            b.compare(n, g, r)
+    peer = flash_nsa(b, b.check_seq, record=False) if b.k.peers else None
+    if peer is not None:
+        xp = leaves(q, k, v)
+        peer(*xp, idx).backward(do)
+        b.compare("flash_nsa_o", peer(q, k, v, idx), o_r, hold=False)
+        b.compare_grads("flash_nsa_", ("dq", "dk", "dv"), xp, xr, hold=False)
 
 
 def timed(b: Bench) -> None:
     q, k, v, do, idx = inputs(b, b.T)
     c = b.c
     tokens = float(selected_tokens(idx, c, 0).sum())  # per query and group
+    flop = 2.0 * (c.d_k + c.d_v) * c.G * tokens
     xs = leaves(q, k, v)
     fn = lambda: selected_attention(q, k, v, idx, c)
     b.row("triton", fn, backward_of(lambda: selected_attention(*xs, idx, c), xs, do),
-          flop=2.0 * (c.d_k + c.d_v) * c.G * tokens, G=c.G, mode=tuning.params("selection", b.dev)["mode"])
+          flop=flop, G=c.G, mode=tuning.params("selection", b.dev)["mode"])
+    why = selection_floor.unavailable(k, v, c.l_sel)
+    if why:
+        b.skip("gather_floor", why)
+    else:
+        b.row("gather_floor", lambda: selection_floor.gather_sums(k, v, idx, c.l_sel),
+              nbytes=selection_floor.floor_bytes(idx, c.l_sel, c.d_k, c.d_v, k.element_size()), G=c.G)
+    peer = flash_nsa(b, b.T) if b.k.peers else None
+    if peer is not None:
+        xp = leaves(q, k, v)
+        b.row("flash_nsa", lambda: peer(q, k, v, idx), backward_of(lambda: peer(*xp, idx), xp, do), flop=flop, G=c.G)
 
 
 def once(b: Bench) -> None:

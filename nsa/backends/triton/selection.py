@@ -549,6 +549,16 @@ def _block_q(G, Dmax, rows):
     return GP, max(1, rows // GP)
 
 
+def _bwd_launch(tune, G, itemsize, write_dq):
+    """Rows, warps and stages of the block-outer backward: the table's, or where None the values measured
+    fastest on an H100 at 8k-64k (BENCHMARKS.md, "Tuning choices"): 64 rows of 4 warps for G >= 16 without
+    dq partials (the dk/dv pass beside the query-outer dq), else 128 rows of 8 warps; 3 stages for 16-bit
+    inputs, 2 for 32-bit (whose tiles take twice the shared memory)."""
+    big = G >= 16 and not write_dq
+    return dict(rows=tune["bwd_rows"] or (64 if big else 128), warps=tune["bwd_warps"] or (4 if big else 8),
+                stages=tune["bwd_stages"] or (2 if itemsize > 2 else 3))
+
+
 def _part_dtype(dtype):
     """Partial outputs / dq partials: 16-bit inputs keep 16-bit partials (halves their traffic)."""
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
@@ -641,7 +651,8 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     if write_dq is None:
         write_dq = mode == "block" or Nq * part_row <= tune["part_bytes_max"] or p2(Dk, 16) > 128
     rows = Nq if not write_dq else _part_rows(Nq, part_row, tune)
-    GP, BQ = _block_q(G, max(Dk, Dv), tune["bwd_rows"])
+    bwd = _bwd_launch(tune, G, q.element_size(), write_dq)
+    GP, BQ = _block_q(G, max(Dk, Dv), bwd["rows"])
     dq = empty(q.shape, q)
     for r0 in range(0, Nq, rows):
         r1 = min(Nq, r0 + rows)
@@ -659,7 +670,7 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
                 lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
                 G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
                 BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), WRITE_DQ=write_dq, PREC=prec, INTERP=interpreted(q),
-                num_warps=tune["bwd_warps"], num_stages=tune["bwd_stages"])
+                num_warps=bwd["warps"], num_stages=bwd["stages"])
         if write_dq:
             BLOCK_R = 16
             n_rows = (r1 - r0) * HQ
@@ -676,7 +687,8 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
             do.stride(0), do.stride(1), idx.stride(0), idx.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
             lay.q_start, scale_log2, scale,
             G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec,
-            num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
+            num_warps=tune["dq_warps"] or tune["warps"], num_stages=tune["dq_stages"] or tune["stages"],
+            **_meta(Dk, Dv, l_sel, tune["block_s"]))
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 
