@@ -142,7 +142,7 @@ def cases(dk, dv, arch=90):
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
-        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated), sel_io, (),
+        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated, BLOCK_N=16), sel_io, (),
                dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",

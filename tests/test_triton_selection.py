@@ -174,17 +174,24 @@ def test_partials_budget_follows_the_card(monkeypatch, gib, want):
 def test_block_outer_plan_lists_every_entry_once(row0):
     """The inverted index: every valid (row, head, slot) entry once, in the work items of its (sequence,
     head, block) segment, rows ascending inside a segment, at most chunk_rows // G entries an item, and
-    the items in segment order; -1 and out-of-range blocks left out. ``row0``: a chunk's rows."""
+    the items in segment order; -1 and out-of-range blocks left out; as many items as ``_plan_items`` bounds
+    (known from the shapes: no host sync), those past the real count empty. ``row0``: a chunk's rows."""
     g = torch.Generator().manual_seed(row0)
     H, NB, n_sel, G, chunk_rows = 3, 7, 4, 2, 10
     cu = torch.tensor([0, 20, 50], dtype=torch.int32)
     lay = selection._Layout(cu, cu, torch.cat([torch.zeros(20), torch.ones(30)]).to(torch.int32), 0, NB)
     idx = torch.randint(-1, NB + 1, (50 - row0, H, n_sel), generator=g, dtype=torch.int32)
     plan = selection._block_outer_plan(idx, lay, H, G, chunk_rows, row0=row0)
-    seen, last_key = [], -1
+    seen, last_key, empty = [], -1, 0
+    assert plan["n_items"] == selection._plan_items(idx.numel(), 2 * H * NB, chunk_rows // G)
+    assert all(plan[k].shape == (plan["n_items"],) for k in ("item_key", "item_start", "item_end"))
     for it in range(plan["n_items"]):
         key, a, b = (int(plan[k][it]) for k in ("item_key", "item_start", "item_end"))
-        assert key >= last_key and 0 < b - a <= chunk_rows // G
+        if a == b:  # past the real count: every later item empty too
+            assert (key, a) == (0, 0)
+            empty += 1
+            continue
+        assert not empty and key >= last_key and 0 < b - a <= chunk_rows // G
         last_key = key
         rows = plan["ent_row"][a:b].tolist()
         assert rows == sorted(rows)
@@ -194,6 +201,11 @@ def test_block_outer_plan_lists_every_entry_once(row0):
             seen.append((r, h, sl))
     want = [(r + row0, h, sl) for r, h, sl in ((idx >= 0) & (idx < NB)).nonzero().tolist()]
     assert sorted(seen) == sorted(want) and len(set(seen)) == len(seen)
+    per, segs = chunk_rows // G, {}
+    for r, h, sl in want:
+        key = (int(lay.row_seq[r]), h, int(idx[r - row0, h, sl]))
+        segs[key] = segs.get(key, 0) + 1
+    assert plan["n_items"] - empty == sum(-(-c // per) for c in segs.values())  # the real items, each full but the last
 
 
 def test_indices_from_compressed_branch():

@@ -21,13 +21,16 @@ from nsa.backends.triton.selection import _kv_descriptors, _meta, _sel_tile
 @triton.jit
 def _gather_kernel(KD, VD, IDX, SK, SV, si_n, si_h, T, H,
                    N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)  # flattened (batch, row)
     h = tl.program_id(1).to(tl.int64)
     k0 = (r // T) * T  # the row's sequence starts here in the flattened keys
     sk = tl.zeros([BLOCK_DK], tl.float32)
     sv = tl.zeros([BLOCK_DV], tl.float32)
-    for i in range(N_SEL * N_SUB):  # one flat loop, as the forward's
+    slots = tl.arange(0, BLOCK_N)
+    ids = tl.load(IDX + r * si_n + h * si_h + slots, mask=slots < N_SEL, other=-1)
+    n_live = tl.max(tl.where(ids >= 0, slots + 1, 0), 0)
+    for i in range(n_live * N_SUB):  # one flat loop to the last valid slot, as the forward's
         s = i // N_SUB
         sb = i % N_SUB
         j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
@@ -63,7 +66,8 @@ def gather_sums(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, l_sel: int,
     sk = torch.empty(B * T, H, meta["BLOCK_DK"], device=k.device, dtype=torch.float32)
     sv = torch.empty(B * T, H, meta["BLOCK_DV"], device=k.device, dtype=torch.float32)
     _gather_kernel[(B * T, H)](kd, vd, ix, sk, sv, ix.stride(0), ix.stride(1), T, H, N_SEL=idx.shape[-1],
-                               L_SEL=l_sel, num_warps=warps or tune["warps"], num_stages=stages or tune["stages"],
+                               L_SEL=l_sel, BLOCK_N=max(2, triton.next_power_of_2(idx.shape[-1])),
+                               num_warps=warps or tune["warps"], num_stages=stages or tune["stages"],
                                **meta)
     return sk[..., :Dk].view(B, T, H, Dk), sv[..., :Dv].view(B, T, H, Dv)
 

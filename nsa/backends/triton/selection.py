@@ -87,7 +87,7 @@ def _fwd_q_kernel(
     G: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, N_SUB: tl.constexpr,
     DK: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
+    PREC: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -131,7 +131,11 @@ def _fwd_q_kernel(
                 m_i, l_i, acc = _online(q, kt, vv, ok, m_i, l_i, acc, scale_log2, PREC)
     # One flat loop, so that the next block's loads overlap. The update is _online's, written out so that the
     # value tile is loaded after the scores: 96 registers a thread against 108 through _online (ptxas, sm_90a).
-    for i in range(N_SEL * N_SUB):
+    # It ends at the last valid slot: a row before token n_sel * l_sel has fewer blocks than slots (-1 after).
+    slots = tl.arange(0, BLOCK_N)
+    ids = tl.load(IDX + r * si_n + h * si_h + slots, mask=slots < N_SEL, other=-1)
+    n_live = tl.max(tl.where(ids >= 0, slots + 1, 0), 0)
+    for i in range(n_live * N_SUB):
         s = i // N_SUB
         sb = i % N_SUB
         j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
@@ -266,6 +270,8 @@ def _fwd_kv_kernel(
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
     e_end = tl.load(ITEM_END + it).to(tl.int64)
+    if e_beg >= e_end:  # an item past the plan's real count (``_plan_items``)
+        return
     j = key % NB
     h = (key // NB) % H
     seq = key // (NB * H)
@@ -380,6 +386,8 @@ def _bwd_kv_kernel(
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
     e_end = tl.load(ITEM_END + it).to(tl.int64)
+    if e_beg >= e_end:  # an item past the plan's real count (``_plan_items``)
+        return
     j = key % NB
     h = (key // NB) % H
     seq = key // (NB * H)
@@ -460,7 +468,8 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows, row0: int = 0):
 
     Returns entry arrays sorted by segment key = (seq*H + h)*NB + j (query rows ascending inside a
     segment: the sort is stable) and work items, each at most ``chunk_rows // G`` entries of one
-    segment. One host sync (the number of work items).
+    segment. No host sync: the item arrays have ``_plan_items`` entries (a bound known from the shapes);
+    those past the real count are empty (start = end = 0) and their programs return at once.
     """
     n_sel = idx.shape[2]
     dev = idx.device
@@ -481,21 +490,32 @@ def _block_outer_plan(idx, lay, H, G, chunk_rows, row0: int = 0):
     ent_row = (order // (H * n_sel) + row0).to(torch.int32)
     ent_slot = (order % n_sel).to(torch.int32)
     per = max(1, chunk_rows // G)
+    n_items = _plan_items(idx.numel(), n_seg, per)
     n_chunks = (counts + per - 1) // per
     chunk_end = torch.cumsum(n_chunks, 0)
-    n_items = int(chunk_end[-1]) if n_seg else 0
-    item_seg = torch.repeat_interleave(torch.arange(n_seg, device=dev), n_chunks, output_size=n_items)
-    item_start = seg_start[item_seg] + (torch.arange(n_items, device=dev) - (chunk_end - n_chunks)[item_seg]) * per
-    item_end = torch.minimum(item_start + per, seg_end[item_seg])
-    return dict(ent_row=ent_row, ent_slot=ent_slot, item_key=item_seg, item_start=item_start,
-                item_end=item_end, n_items=n_items)
+    i = torch.arange(n_items, device=dev)
+    item_seg = torch.searchsorted(chunk_end, i.to(chunk_end.dtype), right=True)  # the segment whose chunks hold i
+    live = item_seg < n_seg
+    seg = item_seg.clamp(max=max(n_seg - 1, 0)).long()
+    item_start = seg_start[seg].long() + (i - (chunk_end - n_chunks)[seg]) * per
+    item_end = torch.minimum(item_start + per, seg_end[seg].long())
+    zero = torch.zeros_like(item_start)
+    return dict(ent_row=ent_row, ent_slot=ent_slot, item_key=torch.where(live, seg, zero),
+                item_start=torch.where(live, item_start, zero), item_end=torch.where(live, item_end, zero),
+                n_items=n_items)
+
+
+def _plan_items(n_entries, n_seg, per):
+    """Work items of a block-outer plan, at most: a segment of c entries takes ceil(c / per) items, and the
+    segments hold at most ``n_entries``, so the sum is at most n_entries // per + n_seg."""
+    return n_entries // per + n_seg if n_entries else 0
 
 
 def _choose_mode(tune, G, l_sel, n_rows):
     """The kernel family: ``tune["mode"]``, where "auto" takes block-outer for G < 16 (where small
     groups leave query-outer tiles mostly empty; BENCHMARKS.md, "Tuning choices") and query-outer for
-    G >= 16 or for few query rows (decode: the block-outer plan costs a sort and a host sync). Long
-    inputs run block-outer in row chunks (``_part_rows``)."""
+    G >= 16 or for few query rows (decode: the block-outer plan costs a sort and a grid sized for the worst
+    case). Long inputs run block-outer in row chunks (``_part_rows``)."""
     mode = tune["mode"]
     if mode == "auto":
         mode = "block" if G < 16 and n_rows >= 512 else "query"
@@ -589,7 +609,8 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
             idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
             lay.q_start, scale_log2,
             G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec, GATED=gated is not None,
-            TMA=kd is not None, num_warps=tune["warps"], num_stages=tune["stages"], **_meta(Dk, Dv, l_sel, tune["block_s"]))
+            TMA=kd is not None, BLOCK_N=p2(n_sel, 2), num_warps=tune["warps"], num_stages=tune["stages"],
+            **_meta(Dk, Dv, l_sel, tune["block_s"]))
         return o, lse, plan
     GP, BQ = _block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
     # Per-slot partials of at most part_bytes_max: query rows in chunks, each with its own plan (the
@@ -703,9 +724,11 @@ def _plan_kept(Nq, row_bytes, mode, tune) -> bool:
 def _selection_fwd_fake(q, k, v, idx, cu_q, cu_k, row_seq, q_start, n_blocks, scale, l_sel, mode, tune, o_cmp, o_win,
                         gates):
     Nq, HQ, _ = q.shape
-    kept = _plan_kept(Nq, HQ * idx.shape[2] * v.shape[2] * q.element_size(), mode, tuning.decode("selection", tune))
+    tune = tuning.decode("selection", tune)
+    kept = _plan_kept(Nq, HQ * idx.shape[2] * v.shape[2] * q.element_size(), mode, tune)
     n_ent = Nq * idx.shape[1] * idx.shape[2] if kept else 0
-    n_items = torch.library.get_ctx().new_dynamic_size() if kept else 0  # work items: data-dependent
+    n_seg = (cu_q.shape[0] - 1) * k.shape[1] * max(n_blocks, 1)
+    n_items = _plan_items(n_ent, n_seg, max(1, tune["chunk_rows"] // (HQ // k.shape[1]))) if kept else 0
     return (q.new_empty(Nq, HQ, v.shape[2]), q.new_empty(Nq, HQ, dtype=torch.float32),
             idx.new_empty(n_ent), idx.new_empty(n_ent), *(q.new_empty(n_items, dtype=torch.int64) for _ in range(3)))
 
@@ -750,8 +773,7 @@ def _selection_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 class _SelectedAttention(torch.autograd.Function):
     """The selected branch by the custom ops ``nsa::selection_fwd`` and ``nsa::selection_bwd`` (see the package
     docstring); ``args``: (q_start, n_blocks, scale, l_sel, mode, encoded tune). Returns o and the plan's
-    tensors (not differentiable): torch.compile needs the work items' data-dependent count among the outputs
-    of the traced forward."""
+    tensors (not differentiable), which the backward reuses."""
 
     @staticmethod
     def forward(ctx, q, k, v, idx, cu_q, cu_k, row_seq, *args):
