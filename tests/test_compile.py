@@ -98,8 +98,8 @@ def test_reference_layer_compiles_fullgraph_with_inductor():
 @needs_triton
 @pytest.mark.parametrize("mode", ["query", "block"])
 def test_triton_layer_compiles_fullgraph(mode, monkeypatch):
-    """Both selection kernel families: the block-outer one's forward hands its plan (work items of a
-    data-dependent count) to the backward as op outputs, which reuses it (one plan per step, as in eager)."""
+    """Both selection kernel families: the block-outer one's forward hands its plan (work items: a count
+    bounded by the shapes) to the backward as op outputs, which reuses it (one plan per step, as in eager)."""
     from nsa.backends.triton import selection, tuning
 
     plans = []
@@ -169,7 +169,7 @@ def _op_cases():
 @needs_triton
 def test_triton_custom_ops_pass_opcheck():
     """Each op's schema, fake (meta) function against its real outputs (shapes, strides, dtypes; the
-    selection plan's work items have a data-dependent count), autograd registration (none: the
+    selection plan's work items: a count bounded by the shapes), autograd registration (none: the
     autograd.Functions call the ops) and AOT dispatch, static and dynamic shapes."""
     for name, op, args in _op_cases():
         try:

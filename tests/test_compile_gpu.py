@@ -5,7 +5,7 @@ forward without gradients (the selection kernel's gated epilogue) too.
 
 The shape crosses what differs between the two: B*T = 1280 queries, so eager runs the window on a second
 stream and the compiled graph on one; G = 4 with >= 512 query rows, so the selection runs block-outer and
-its forward hands the plan (a data-dependent number of work items) to the backward; 10 selection blocks
+its forward hands the plan (its work items, a count bounded by the shapes) to the backward; 10 selection blocks
 for n_sel = 4.
 
 Tolerance: compiled against eager, rel-L2 at most max(2e-2, e + 1e-3), where e is eager bf16's own distance
