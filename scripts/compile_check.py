@@ -6,7 +6,8 @@ Triton compiles to PTX and runs its bundled ptxas without a device, so this prin
 launch shape the triton backend uses on CUDA (``tuning.TABLES["cuda"]``, the top-n buckets, the gated
 sum, the backward's row dot, every selection kernel, the decode-step kernels at B=1 and B=64):
 compile seconds, shared memory (bytes; the H200 allows 232448 per block), registers per thread and
-spill-store bytes (from ptxas -v). A shape that needs too much shared memory, or a compile that takes
+spill-store bytes (from ptxas -v). The kernels that can load through TMA descriptors are compiled on their
+pointer-load path (``TMA=False``, the stages that path takes): a descriptor argument needs a GPU. A shape that needs too much shared memory, or a compile that takes
 minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or exceeds
 --smem. A compile time near 0 s is a hit in Triton's on-disk cache. Timings need the GPU.
 
@@ -33,7 +34,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nsa import NSAConfig  # noqa: E402
-from nsa.backends.triton import attention_bwd, compressed, decode, gate, rowdot, selection, tiles, topn  # noqa: E402
+from nsa.backends.triton import attention_bwd, compressed, gate, rowdot, selection, tiles, topn  # noqa: E402
+from nsa.backends.triton import decode_attention as decode  # noqa: E402
 from nsa.backends.triton import tuning, window  # noqa: E402
 from nsa.backends.triton.utils import launch_options, p2  # noqa: E402
 
@@ -108,19 +110,22 @@ def cases(dk, dv, arch=90):
     """(name, kernel, constexprs, pointer types, int64 args, launch options[, float args]) as the
     launchers use them."""
     tune = tuning.table("cuda")
-    cmp_t, win_t, bwd_t = tune["compressed"], tune["window"], tune["attention_bwd"]
+    # the pointer-load paths (TMA=False below), with their stage count as the launchers resolve it
+    cmp_t, win_t, bwd_t = (tuning.by_path(tune["compressed"], False), tune["window"],
+                           tuning.by_path(tune["attention_bwd"], False))
     bf, f32 = "*bf16", "*fp32"
     geo = tiles.geometry(64, 4, dk, dv, cmp_t["rows"])
     wgeo = tiles.geometry(64, 4, dk, dv, win_t["rows"])
     bgeo = tiles.geometry(64, 4, dk, dv, bwd_t["rows"])
     io = dict(Q=bf, K=bf, V=bf, Out=bf, LSE=f32, SC=f32)
     cmp_fwd = dict(geo, PREC="tf32", BLOCK_N=64, NSTEP=64, STRIDE=16, OFFSET=31, D_CMP=16, L_CMP=32, L_SEL=64, BJ=16,
-                   BJP=16, SCORE_DOT=True, SCORE_LO=cmp_t["score_lo"], LSE_N=cmp_t["lse_n"], SPILL_W=1)
+                   BJP=16, SCORE_DOT=True, SCORE_LO=cmp_t["score_lo"], LSE_N=cmp_t["lse_n"], SPILL_W=1, TMA=False,
+                   SCORE_ONLY=False)
     wn = win_t["block_n"]
     wide = wgeo["BLOCK_M"] * wgeo["GP"] >= win_t["rows"]  # as window._forward: else 4 warps, no cap
     win_fwd = dict(wgeo, PREC="tf32", BLOCK_N=wn, NSTEP=wn, WINDOW=512)
     win_opts = launch_options(win_t) if wide else dict(num_warps=4, num_stages=win_t["stages"])
-    bwd = dict(bgeo, PREC="tf32", BLOCK_N=bwd_t["block_n"], STRIDE=16, OFFSET=31, WINDOW=0)
+    bwd = dict(bgeo, PREC="tf32", BLOCK_N=bwd_t["block_n"], STRIDE=16, OFFSET=31, WINDOW=0, TMA=False)
     wbwd = dict(bwd, STRIDE=1, OFFSET=0, WINDOW=512)
     opts = dict(num_warps=bwd_t["warps"], num_stages=bwd_t["stages"])
     dq_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DQ=bf)
@@ -142,7 +147,7 @@ def cases(dk, dv, arch=90):
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
-        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated, BLOCK_N=16), sel_io, (),
+        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated, BLOCK_N=16, TMA=False), sel_io, (),
                dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
@@ -242,7 +247,7 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
                dict(num_warps=p["sel_warps"], **launch), ("qk_scale",))
         yield (f"dec three: combine B{B}", decode._dec_combine3,
                dict(H=H, G=G, DV=dv, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
-                      PDL=pdl),
+                      BDVC=p["BDV"] // p["combine_split"], PDL=pdl),
                dict(cm_ptr=f32, cl_ptr=f32, cacc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, g_ptr=bf, out_ptr=bf),
                (), dict(num_warps=p["warps"], **launch), ())
         yield (f"dec combine B{B}", decode._dec_combine,
