@@ -7,8 +7,8 @@ launch shape the triton backend uses on CUDA (``tuning.TABLES["cuda"]``, the top
 sum, the backward's row dot, every selection kernel, the decode-step kernels at B=1 and B=64):
 compile seconds, shared memory (bytes; the H200 allows 232448 per block), registers per thread and
 spill-store bytes (from ptxas -v). The kernels that can load through TMA descriptors are compiled on their
-pointer-load path (``TMA=False``, the stages that path takes): a descriptor argument needs a GPU. A shape that needs too much shared memory, or a compile that takes
-minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or exceeds
+pointer-load path (``TMA=False``, the stages that path takes): a descriptor argument needs a GPU. A shape
+that needs too much shared memory, or a compile that takes minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or exceeds
 --smem. A compile time near 0 s is a hit in Triton's on-disk cache. Timings need the GPU.
 
 ``--ptx DIR`` also writes each kernel's PTX with its instructions only (``DIR/<kernel>-dk<Dk>.ptx``:
@@ -147,7 +147,8 @@ def cases(dk, dv, arch=90):
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
-        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel, dict(sel, GATED=gated, BLOCK_N=16, TMA=False), sel_io, (),
+        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel,
+               dict(sel, GATED=gated, BLOCK_N=16, TMA=False), sel_io, (),
                dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
     yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
