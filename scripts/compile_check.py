@@ -8,8 +8,9 @@ sum, the backward's row dot, every selection kernel, the decode-step kernels at 
 compile seconds, shared memory (bytes; the H200 allows 232448 per block), registers per thread and
 spill-store bytes (from ptxas -v). The kernels that can load through TMA descriptors are compiled on their
 pointer-load path (``TMA=False``, the stages that path takes): a descriptor argument needs a GPU. A shape
-that needs too much shared memory, or a compile that takes minutes, shows here instead of inside a GPU call. Exit code 1 if a kernel fails to compile or exceeds
---smem. A compile time near 0 s is a hit in Triton's on-disk cache. Timings need the GPU.
+that needs too much shared memory, or a compile that takes minutes, shows here instead of inside a GPU
+call. Exit code 1 if a kernel fails to compile or exceeds --smem. A compile time near 0 s is a hit in
+Triton's on-disk cache. Timings need the GPU.
 
 ``--ptx DIR`` also writes each kernel's PTX with its instructions only (``DIR/<kernel>-dk<Dk>.ptx``:
 no debug lines, comments or kernel name; parameters by their Python name), so that two trees can be
