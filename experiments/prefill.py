@@ -23,9 +23,8 @@ first, applied around the job, tag ``tuning_overrides``), so a layer-level A/B o
 """
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 
 import hydra
 import torch
