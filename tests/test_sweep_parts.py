@@ -35,6 +35,18 @@ def test_chart_metric_names_are_valid_mlflow_keys():
     assert report.metric_name("rel_l2_err", "grad_q [x]") == "rel_l2_err/grad_q _x_"
 
 
+def test_a_label_past_mlflows_limit_ends_in_a_hash_and_is_stored(tmp_path):
+    # a one-job sweep's chart label is all its overrides: MLflow refuses a key of more than 250 characters
+    long = " ".join(f"train.option_{i}=value_{i}" for i in range(20))
+    names = [report.metric_name("tokens_per_s", long + end) for end in ("", " seed=1")]
+    assert len(long) > 300 and all(len(n) <= report.MLFLOW_KEY_MAX for n in names)
+    assert names[0] != names[1] and names[0] == report.metric_name("tokens_per_s", long)
+    store = tracking.connect(OmegaConf.create({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}), "train", tmp_path)
+    rid = tracking.start_run(store, "train sweep", None, {"sweep": "parent"})
+    tracking.log_series(store.client, rid, [(names[0], 1.5, 10)])
+    assert [m.value for m in store.client.get_metric_history(rid, names[0])] == [1.5]
+
+
 def test_sweep_end_closes_what_the_launcher_left_running(tmp_path, capsys):
     store = tracking.connect(OmegaConf.create({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}), "decode", tmp_path)
     jobs = [["seq=64"], ["seq=128"]]

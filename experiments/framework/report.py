@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import json
 import math
 import os
@@ -94,9 +95,22 @@ def lines(rows: list[dict], charts: Charts) -> dict[str, dict[str, list[tuple[in
     return {y: {k: sorted(p) for k, p in ls.items()} for y, ls in out.items()}
 
 
+MLFLOW_KEY_MAX = 250  # characters of a metric's name in MLflow's store
+
+
+def shortened(name: str, limit: int) -> str:
+    """``name`` if it fits in ``limit`` bytes, else its first bytes and a hash of the whole: the same
+    name gives the same result, different names different ones."""
+    if len(name.encode()) <= limit:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name.encode()[: limit - 64].decode(errors="ignore") + "_" + digest
+
+
 def metric_name(y: str, label: str) -> str:
-    """MLflow metric key for one line of a chart: ``<y>/<label>`` (a section per y in MLflow's charts)."""
-    return f"{y}/" + re.sub(r"[^/\w.\- :]", "_", label.replace("=", ":"))
+    """MLflow metric key for one line of a chart: ``<y>/<label>`` (a section per y in MLflow's charts); a
+    label past MLflow's length limit (a one-job sweep's label is all its overrides) ends in a hash."""
+    return shortened(f"{y}/" + re.sub(r"[^/\w.\- :]", "_", label.replace("=", ":")), MLFLOW_KEY_MAX)
 
 
 MARKERS = "os^Dv<>PX*"

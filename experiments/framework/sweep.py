@@ -17,7 +17,6 @@ written and the store and the parent run could be created (one line, exit 2). Th
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import re
@@ -174,10 +173,7 @@ def job_dirname(name: str, limit: int = NAME_MAX) -> str:
     """``name`` (a job folder named by its overrides, ``hydra.job.override_dirname``) if it fits one path
     component, else its first bytes and a hash of the whole: the same overrides give the same folder (a
     resumed sweep finds its checkpoints), different ones different folders. Resolver ``nsa_dirname``."""
-    if len(name.encode()) <= limit:
-        return name
-    digest = hashlib.sha1(name.encode()).hexdigest()[:12]
-    return name.encode()[: limit - 64].decode(errors="ignore") + "_" + digest
+    return report.shortened(name, limit)
 
 
 def register() -> None:
