@@ -11,7 +11,9 @@ for NSA; every ``train.eval_every`` steps ``val_loss``, ``val_accuracy`` and NSA
 (``n_params.<kind>``). At the end, the headline metrics from the whole stored curve: ``0_final_loss``
 and ``0_val_loss`` / ``0_val_accuracy`` (the last logged), ``0_tokens_per_s`` (median over the main
 stage's logged steps), ``0_sel_recall`` / ``0_sel_mass`` (NSA; on a retrieval task also their
-``_answers`` forms, at the answer positions), ``0_peak_mem_gib`` (CUDA). A sweep's
+``_answers`` forms, at the answer positions), ``0_peak_mem_gib`` (CUDA). With ``train.profile=true``,
+step ``log_every + 1`` runs under torch.profiler: its table (kernels and ops by their own device time)
+is printed and logged on the run as ``profile/train_step.txt``. A sweep's
 parent carries every job's curves as its own metrics (``loss/nsa``, ``val_accuracy/dense``, ...) and
 ``train_by_step.png``.
 
@@ -112,6 +114,12 @@ def work(job: Job) -> Result:
                         if "val_loss" in metrics else "") + f", {metrics['tokens_per_s']:.0f} tokens/s")
 
     out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run.id, logged_through=done)
+    texts = {}
+    if out["profile"]:
+        texts["profile/train_step.txt"] = out["profile"]
+        log.info(f"[train] train.profile: {out['profile']}")
+    elif tc.profile:
+        log.info(f"[train] train.profile: no step profiled (this process did not run step {tc.log_every + 1})")
     head = headline(job, cfg)
     row = {"attention": cfg.attention, "lm": cfg.lm.name, "task": cfg.data["task"], "seq_len_tokens": job.seq,
            "steps": out["step"], "steps_planned": tc.steps, **head,
@@ -121,7 +129,8 @@ def work(job: Job) -> Result:
         failure = (f"stopped by train.time_limit_s={tc.time_limit_s:g} after step {out['step']} of {tc.steps}; "
                    f"the checkpoint in {ckpt} resumes it: the same command with {resume_args(job)}")
     tags = {"resumed_from_step": str(found["step"])} if found else {}
-    return Result([row], {}, headline=head, failure=failure, charts=Charts("step", "", CURVES, kind="by_step"), tags=tags)
+    return Result([row], {}, headline=head, failure=failure, charts=Charts("step", "", CURVES, kind="by_step"), tags=tags,
+                  texts=texts)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")

@@ -2,6 +2,8 @@
 stops and resumes cleanly, a curriculum switches stages, bad configs and resumes fail with one line."""
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,39 @@ def test_resume_accepts_a_checkpoint_written_before_the_new_lm_nsa_fields(tmp_pa
     assert out["completed"] and logged == []
     with pytest.raises(ValueError, match=r"differs from the checkpoint's in lm.nsa.shared_kv \(None -> True\)"):
         run(run_config("train.steps=2", "lm.nsa.shared_kv=true", *TINY_RETRIEVAL), tmp_path)
+
+
+def test_profile_takes_one_warm_step_and_leaves_it_out_of_tokens_per_s(tmp_path, monkeypatch):
+    """train.profile: step log_every + 1 runs under torch.profiler (its table returned, naming the step and
+    the ops that ran), and that window's tokens_per_s counts only its other steps."""
+    short = ["attention=dense", "train.steps=6", "train.log_every=3", "train.eval_every=6", "train.ckpt_every=6",
+             *TINY_RETRIEVAL]
+    out, logged = run(run_config(*short, "train.profile=true"), tmp_path / "a")
+    assert out["profile"].startswith("step 4 (seq_len 96, batch 2)") and "aten::mm" in out["profile"], out["profile"]
+    assert [s for s, _ in logged] == [3, 6] and all(m["tokens_per_s"] > 0 for _, m in logged)
+    assert run(run_config(*short), tmp_path / "b")[0]["profile"] is None
+    # A clock that moves 1 s a reading and 1000 s inside the profiler: the profiled window's rate stays
+    # near the other's (about 10 readings a window) instead of its 2 timed steps' tokens over 1000 s.
+    clock = [0.0]
+
+    def tick():
+        clock[0] += 1.0
+        return clock[0]
+
+    @contextlib.contextmanager
+    def slow_profiler(device, rows=30):
+        clock[0] += 1000.0
+        yield ["(table)"]
+
+    monkeypatch.setattr(time, "perf_counter", tick)
+    monkeypatch.setattr("experiments.lm.loop.profiled", slow_profiler)
+    out, logged = run(run_config(*short, "train.profile=true"), tmp_path / "c")
+    plain, profiled = logged[0][1]["tokens_per_s"], logged[1][1]["tokens_per_s"]
+    assert out["profile"].endswith("(table)") and profiled > plain / 5 and profiled > 2 * 192 / 100, (plain, profiled)
+
+
+def test_profile_needs_two_steps_a_window():
+    with pytest.raises(ValueError, match=r"^train.profile=true: needs log_every >= 2"):
+        run_config("train.profile=true", "train.log_every=1")
+    with pytest.raises(ValueError, match=r"^train.profile='yes': must be true or false"):
+        run_config("train.profile=yes")

@@ -41,6 +41,9 @@ class TrainConfig:
     # that does not help yet (BENCHMARKS.md "Training at 32k"). 0: the gates are free from the start.
     gates_open_steps: int = 0
     time_limit_s: float | None = None  # stop (checkpointed, resumable) at the first log step past it
+    # Step log_every + 1 (warm) under torch.profiler: its table of kernels and ops logged on the run as
+    # profile/train_step.txt; that step is left out of its window's tokens_per_s.
+    profile: bool = False
     # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
     # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
     curriculum: tuple = ()
@@ -64,6 +67,11 @@ class TrainConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
                 raise ValueError(f"train.{f}={v!r}: must be a number")
+        if not isinstance(self.profile, bool):
+            raise ValueError(f"train.profile={self.profile!r}: must be true or false")
+        if self.profile and self.log_every < 2:
+            raise ValueError(f"train.profile=true: needs log_every >= 2 (the profiled step is left out of its "
+                             f"window's tokens_per_s), got {self.log_every}")
         if not self.lr > 0:
             raise ValueError(f"train.lr={self.lr!r}: must be positive")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -37,6 +37,7 @@ batch), ``branches`` holds the other branches' gates at 0 (:class:`ablations.Bra
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
@@ -49,12 +50,13 @@ import torch.nn.functional as F
 
 from nsa import NSAConfig, dispatch
 
+from ..measure.timing import profiled
 from . import ablations, checkpoint, cost, probes
 from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
 from .data import IGNORE
 from .model import LM, count_parameters
 
-RESUMABLE_CHANGES = {"train.time_limit_s"}  # config keys a resumed run may change
+RESUMABLE_CHANGES = {"train.time_limit_s", "train.profile"}  # config keys a resumed run may change
 
 
 def build_model(cfg: RunConfig, device=None) -> LM:
@@ -185,6 +187,7 @@ class _Window:
         self.loss, self.gnorm = z.clone(), z.clone()
         self.correct, self.n = z.long(), z.long()
         self.steps, self.tokens, self.flops = 0, 0, 0.0
+        self.untimed_s, self.untimed_tokens, self.untimed_flops = 0.0, 0, 0.0  # a profiled step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.t0 = time.perf_counter()
@@ -199,8 +202,9 @@ class _Window:
     def take(self) -> dict[str, float]:
         out = {"loss": float(self.loss) / self.steps, "accuracy": int(self.correct) / max(1, int(self.n)),
                "grad_norm": float(self.gnorm) / self.steps}  # these reads wait for the device
-        dt = time.perf_counter() - self.t0
-        out.update(tokens_per_s=self.tokens / dt, model_tflop_per_s=self.flops / dt / 1e12)
+        dt = time.perf_counter() - self.t0 - self.untimed_s
+        out.update(tokens_per_s=(self.tokens - self.untimed_tokens) / dt,
+                   model_tflop_per_s=(self.flops - self.untimed_flops) / dt / 1e12)
         self.reset()
         return out
 
@@ -225,7 +229,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
           logged_through: int = 0) -> dict:
     """Train ``cfg`` on ``device`` to ``cfg.train.steps`` (or to ``time_limit_s``), resuming from
     ``ckpt_dir`` if it holds a checkpoint. See the module docstring for the callback contract.
-    Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters)}``."""
+    Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters), "profile" (with
+    train.profile: the profiler's table of step log_every + 1, if this process ran it; else None)}``."""
     device = torch.device(device)
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
@@ -254,6 +259,9 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     last_metrics, completed, t_start = {}, True, time.perf_counter()
     window = _Window(device)
+    # train.profile: the first step after the first logged window (compiled, warm) under torch.profiler; its
+    # time and tokens are left out of that window's tokens_per_s (the profiler slows it)
+    profile_at, profile = tc.log_every + 1 if tc.profile else None, None
     model.train()
     while step < tc.steps:
         lr = tc.lr_at(step + 1)
@@ -261,17 +269,25 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
             group["lr"] = lr
         stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
         _, task, batch = stages[stage]
-        tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
-        gates.mask = targets != IGNORE if task.answers_only else None
-        held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
-        with autocast():
-            loss, correct, n = _loss(model, tokens, targets, task)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
-        opt.step()
+        profiling, t0 = step + 1 == profile_at, time.perf_counter()
+        with profiled(device, rows=40) if profiling else contextlib.nullcontext() as table:
+            tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
+            gates.mask = targets != IGNORE if task.answers_only else None
+            held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
+            with autocast():
+                loss, correct, n = _loss(model, tokens, targets, task)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
+            opt.step()
         step, position = step + 1, position + 1
         window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
+        if profiling:
+            profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {time.perf_counter() - t0:.4f} s " \
+                      f"under the profiler\n{table[0]}"
+            window.untimed_s += time.perf_counter() - t0
+            window.untimed_tokens += tokens.numel()
+            window.untimed_flops += flops[stage]
         if step % tc.log_every and step != tc.steps:
             continue
         metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
@@ -292,4 +308,5 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     gates.remove()
     branch_gates.remove()
     held.remove()
-    return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model)}
+    return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model),
+            "profile": profile}

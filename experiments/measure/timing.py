@@ -2,11 +2,11 @@
 replay of decode steps, their quantiles, and a torch.profiler table of one call."""
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
-
 
 
 def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
@@ -77,18 +77,20 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
     return out
 
 
-def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 30) -> str:
-    """One call of ``fn`` (after one untimed call) under ``torch.profiler``: a table of the ops and
-    kernels by their own time on the device (CPU time on a CPU), so a user sees where the time goes."""
+@contextlib.contextmanager
+def profiled(device: torch.device, rows: int = 30):
+    """The work in the block under ``torch.profiler``, the device synchronised before and after; yields a
+    list that holds, once the block ends, the table of the ops and kernels by their own time on the device
+    (CPU time on a CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    fn()
+    out: list[str] = []
     if cuda:
         torch.cuda.synchronize(device)
     with profile(activities=acts) as prof:
-        fn()
+        yield out
         if cuda:
             torch.cuda.synchronize(device)
     events = prof.key_averages()
@@ -97,7 +99,16 @@ def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 30
     if cuda:
         key = "self_device_time_total" if all(hasattr(e, "self_device_time_total") for e in events) \
             else "self_cuda_time_total"
-    return events.table(sort_by=key, row_limit=rows)
+    out.append(events.table(sort_by=key, row_limit=rows))
+
+
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 30) -> str:
+    """One call of ``fn`` (after one untimed call) under ``torch.profiler``: a table of the ops and
+    kernels by their own time on the device (CPU time on a CPU), so a user sees where the time goes."""
+    fn()
+    with profiled(device, rows) as table:
+        fn()
+    return table[0]
 
 
 def quantiles(ms: list[float]) -> dict[str, float]:
