@@ -201,3 +201,35 @@ def test_profile_needs_two_steps_a_window():
         run_config("train.profile=true", "train.log_every=1")
     with pytest.raises(ValueError, match=r"^train.profile='yes': must be true or false"):
         run_config("train.profile=yes")
+
+
+def test_compile_wraps_the_training_steps_only(tmp_path, monkeypatch):
+    """train.compile: the model is compiled once (the mode given, static shapes) and every training step runs
+    the compiled model with dynamo set to fail at its recompile limit (not to fall back to eager);
+    evaluation runs the model itself. (A real compile: the GPU runs of BENCHMARKS.md, issue 28.)"""
+    calls, made = [], []
+
+    def fake_compile(model, mode, dynamic):
+        made.append((mode, dynamic))
+
+        def compiled(*args):
+            calls.append(torch._dynamo.config.fail_on_recompile_limit_hit)
+            return model(*args)
+        compiled.selection = model.selection
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = run_config("attention=dense", "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.ckpt_every=4",
+                     "train.compile=reduce-overhead", *TINY_RETRIEVAL)
+    out, logged = run(cfg, tmp_path)
+    assert made == [("reduce-overhead", False)] and calls == [True] * 4 and out["completed"]
+    assert "val_loss" in logged[-1][1] and not torch._dynamo.config.fail_on_recompile_limit_hit
+    run(run_config("attention=dense", "train.steps=2", "train.log_every=2", "train.eval_every=2", "train.ckpt_every=2",
+                   *TINY_RETRIEVAL), tmp_path / "eager")
+    assert made == [("reduce-overhead", False)]  # train.compile=none: not compiled
+
+
+def test_compile_mode_is_checked():
+    with pytest.raises(ValueError, match=r"^train.compile='fast': must be one of none, default, reduce-overhead, "
+                                         r"max-autotune, max-autotune-no-cudagraphs$"):
+        run_config("train.compile=fast")

@@ -16,6 +16,7 @@ from .data import make_task
 from .model import ATTENTION, LMConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class TrainConfig:
     # Step log_every + 1 (warm) under torch.profiler: its table of kernels and ops logged on the run as
     # profile/train_step.txt; that step is left out of its window's tokens_per_s.
     profile: bool = False
+    # torch.compile of the model for the training steps (evaluation stays eager): none, or torch.compile's mode
+    # (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs); static shapes, one graph per stage;
+    # a run that would pass dynamo's recompile limit fails instead of falling back to eager.
+    compile: str = "none"
     # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
     # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
     curriculum: tuple = ()
@@ -67,6 +72,8 @@ class TrainConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
                 raise ValueError(f"train.{f}={v!r}: must be a number")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"train.compile={self.compile!r}: must be one of {', '.join(COMPILE_MODES)}")
         if not isinstance(self.profile, bool):
             raise ValueError(f"train.profile={self.profile!r}: must be true or false")
         if self.profile and self.log_every < 2:

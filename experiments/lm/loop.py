@@ -56,7 +56,7 @@ from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
 from .data import IGNORE
 from .model import LM, count_parameters
 
-RESUMABLE_CHANGES = {"train.time_limit_s", "train.profile"}  # config keys a resumed run may change
+RESUMABLE_CHANGES = {"train.time_limit_s", "train.profile", "train.compile"}  # config keys a resumed run may change
 
 
 def build_model(cfg: RunConfig, device=None) -> LM:
@@ -259,6 +259,13 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     last_metrics, completed, t_start = {}, True, time.perf_counter()
     window = _Window(device)
+    if tc.compile == "none":
+        step_model, compiling = model, contextlib.nullcontext
+    else:  # one graph per shape; past dynamo's recompile limit the run fails rather than running eager
+        step_model = torch.compile(model, mode=tc.compile, dynamic=False)
+
+        def compiling():
+            return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
     # train.profile: the first step after the first logged window (compiled, warm) under torch.profiler; its
     # time and tokens are left out of that window's tokens_per_s (the profiler slows it)
     profile_at, profile = tc.log_every + 1 if tc.profile else None, None
@@ -274,8 +281,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
             tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
             gates.mask = targets != IGNORE if task.answers_only else None
             held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
-            with autocast():
-                loss, correct, n = _loss(model, tokens, targets, task)
+            with autocast(), compiling():
+                loss, correct, n = _loss(step_model, tokens, targets, task)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
@@ -284,7 +291,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
         if profiling:
             profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {time.perf_counter() - t0:.4f} s " \
-                      f"under the profiler\n{table[0]}"
+                      f"under the profiler\n" + "\n".join(table)
             window.untimed_s += time.perf_counter() - t0
             window.untimed_tokens += tokens.numel()
             window.untimed_flops += flops[stage]

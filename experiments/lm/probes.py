@@ -36,14 +36,20 @@ class _GateHooks:
 
 
 class GateMeans(_GateHooks):
-    """Mean gate per branch and layer over the forwards seen while ``active``."""
+    """Mean gate per branch and layer over the forwards seen while ``active``. The sums and counts are
+    device tensors updated in place by the hooks (no Python state changes per forward), so a model under
+    ``torch.compile`` traces the hooks into its graph instead of recompiling at each step."""
 
     def __init__(self, layers: list[NSAAttention]):
         self.active = True
         self.mask = None  # [B,T] bool: the positions of the next forwards whose gates are also averaged apart
-        self._sum = [None] * len(layers)
-        self._ans = [None] * len(layers)  # (sum of gates [3], number of positions x heads) at the mask
-        self._n = 0
+        dev = next(layers[0].parameters()).device if layers else None
+        L = len(layers)
+        self._sum = torch.zeros(L, 3, device=dev)      # per layer: sum over forwards of the mean gate
+        self._n = torch.zeros(L, 1, device=dev)        # forwards seen
+        self._ans = torch.zeros(L, 3, device=dev)      # sum of gates at the mask (positions x heads)
+        self._ans_n = torch.zeros(L, 1, device=dev)    # masked positions x heads
+        self._masked = torch.zeros(L, 1, device=dev)   # forwards seen with a mask
         self._handles = [layer.gate.register_forward_hook(self._hook(i, layer.config.n_heads))
                          for i, layer in enumerate(layers)]
 
@@ -51,26 +57,28 @@ class GateMeans(_GateHooks):
         def hook(module, args, out):
             if self.active:
                 g = torch.sigmoid(out.detach().float()).unflatten(-1, (HQ, 3))  # [B,T,HQ,3]
-                m = g.mean(dim=(0, 1, 2))
-                self._sum[i] = m if self._sum[i] is None else self._sum[i] + m
-                self._n += i == 0
+                self._sum[i].add_(g.mean(dim=(0, 1, 2)))
+                self._n[i].add_(1)
                 if self.mask is not None:
                     w = self.mask.to(g.dtype)
-                    ans = (torch.einsum("bthc,bt->c", g, w), w.sum() * HQ)
-                    self._ans[i] = ans if self._ans[i] is None else tuple(a + b for a, b in zip(self._ans[i], ans))
+                    self._ans[i].add_(torch.einsum("bthc,bt->c", g, w))
+                    self._ans_n[i].add_(w.sum() * HQ)
+                    self._masked[i].add_(1)
         return hook
 
     def take(self) -> dict[str, float]:
-        """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; where forwards had a mask,
+        """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; where every forward had a mask,
         ``gate_<branch>_answers`` and ``gate_<branch>_answers_l<i>`` too; resets the sums."""
-        if not self._handles or self._n == 0:
+        if not self._handles:
             return {}
-        per_layer = torch.stack(self._sum).cpu() / self._n  # [layers, 3]
-        out = _per_branch("gate_{}", per_layer, BRANCHES)
-        if all(a is not None for a in self._ans):
-            out.update(_per_branch("gate_{}_answers", torch.stack([s / n.clamp(min=1) for s, n in self._ans]).cpu(),
-                                   BRANCHES))
-        self._sum, self._ans, self._n = [None] * len(self._sum), [None] * len(self._ans), 0
+        n, masked = self._n.cpu(), self._masked.cpu()
+        if not bool((n > 0).all()):
+            return {}
+        out = _per_branch("gate_{}", self._sum.cpu() / n, BRANCHES)
+        if bool((masked == n).all()):
+            out.update(_per_branch("gate_{}_answers", self._ans.cpu() / self._ans_n.cpu().clamp(min=1), BRANCHES))
+        for t in (self._sum, self._n, self._ans, self._ans_n, self._masked):
+            t.zero_()
         return out
 
 

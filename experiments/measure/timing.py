@@ -81,7 +81,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
 def profiled(device: torch.device, rows: int = 30):
     """The work in the block under ``torch.profiler``, the device synchronised before and after; yields a
     list that holds, once the block ends, the table of the ops and kernels by their own time on the device
-    (CPU time on a CPU)."""
+    (CPU time on a CPU) and, on a GPU, a second table by their own time on the host (where a step that waits
+    on its launches spends it)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -100,6 +101,8 @@ def profiled(device: torch.device, rows: int = 30):
         key = "self_device_time_total" if all(hasattr(e, "self_device_time_total") for e in events) \
             else "self_cuda_time_total"
     out.append(events.table(sort_by=key, row_limit=rows))
+    if cuda:
+        out.append(events.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 30) -> str:
