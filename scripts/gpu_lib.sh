@@ -1,5 +1,6 @@
 # Sourced by the scripts/h100_*.sh drivers: the wheelhouse install on a GPU host without network (the device
-# tool's boxes) and `run`, which runs one entry point into $OUT/<db>.db and prints its summary table.
+# tool's boxes), `run`, which runs one entry point into $OUT/<db>.db and prints its summary table, and $trees,
+# the trees of a before/after (AB=).
 # Needs the wheelhouse (python scripts/wheelhouse.py --dest .whl).
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 case "$OUT" in /*) ;; *) OUT="$PWD/$OUT";; esac
@@ -29,3 +30,11 @@ run() {
   sed -n "/$SUMMARY/,/^outputs:/p" "$log" | grep -v "^outputs:"
   grep -E "FAILED|Error|exceeds|error:" "$log" | tail -n 3
 }
+# The trees a before/after runs in: "<dir>:<db suffix>" pairs in $trees. Without AB, this tree alone; with
+# AB=<folder> (files under the same relative paths as in the repo), first a copy of this tree with them laid
+# over it (/tmp/base, suffix _base), then this tree.
+trees=("$PWD:")
+if [ -n "${AB:-}" ]; then
+  rm -rf /tmp/base && cp -r "$PWD" /tmp/base && cp -r "$AB"/. /tmp/base/ && trees=("/tmp/base:_base" "$PWD:")
+  echo "before/after: $(cd "$AB" && find . -type f | tr '\n' ' ')laid over /tmp/base"
+fi

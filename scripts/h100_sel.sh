@@ -13,11 +13,6 @@ set -u
 source scripts/gpu_lib.sh
 STEPS=${STEPS:-kernels}
 cp -r .peers/flash_nsa /tmp/site/ 2>/dev/null || echo "no .peers/flash_nsa: the flash_nsa rows are skipped"
-trees=("$PWD:")
-if [ -n "${AB:-}" ]; then
-  rm -rf /tmp/base && cp -r "$PWD" /tmp/base && cp -r "$AB"/. /tmp/base/ && trees=("/tmp/base:_base" "$PWD:")
-  echo "before/after: $(cd "$AB" && find . -type f | tr '\n' ' ')laid over /tmp/base"
-fi
 for tt in "${trees[@]}"; do
   tree=${tt%%:*} tag=${tt#*:}
   if has kernels; then

@@ -14,11 +14,6 @@ source scripts/gpu_lib.sh
 STEPS=${STEPS:-attn train}
 SHAPES=${SHAPES:-2048:16 8192:4 32768:1}
 SMALL="model.nsa.dim=512 model.nsa.n_heads=8 model.nsa.n_kv_heads=2 model.nsa.d_k=64 model.nsa.d_v=64 model.nsa.phi=avg"
-trees=("$PWD:")
-if [ -n "${AB:-}" ]; then
-  rm -rf /tmp/base && cp -r "$PWD" /tmp/base && cp -r "$AB"/. /tmp/base/ && trees=("/tmp/base:_base" "$PWD:")
-  echo "before/after: $(cd "$AB" && find . -type f | tr '\n' ' ')laid over /tmp/base"
-fi
 for tt in "${trees[@]}"; do
   tree=${tt%%:*} tag=${tt#*:}
   for sb in $SHAPES; do
