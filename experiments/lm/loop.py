@@ -290,9 +290,10 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         step, position = step + 1, position + 1
         window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
         if profiling:
-            profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {time.perf_counter() - t0:.4f} s " \
-                      f"under the profiler\n" + "\n".join(table)
-            window.untimed_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {took:.4f} s under the " \
+                      "profiler\n" + "\n".join(table)
+            window.untimed_s += took
             window.untimed_tokens += tokens.numel()
             window.untimed_flops += flops[stage]
         if step % tc.log_every and step != tc.steps:
