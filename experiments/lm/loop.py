@@ -34,6 +34,10 @@ Ablations (``train.ablation``, :mod:`experiments.lm.ablations`; NSA only): ``sel
 NSA layer's selected branch other blocks (the model computes them; oracle from the task's ``sources`` of the
 batch), ``branches`` holds the other branches' gates at 0 (:class:`ablations.BranchGates`, a hook after
 ``gates_open_steps``' and before the gate means', so those log 0); both in training and in evaluation.
+
+Speed: ``train.compile`` runs the training steps through ``torch.compile`` (static shapes, one graph per
+stage; the hooks above trace into it, holding their state in device tensors); evaluation stays eager.
+``train.profile`` runs step ``log_every + 1`` under torch.profiler and returns its tables.
 """
 from __future__ import annotations
 
