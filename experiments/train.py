@@ -12,8 +12,10 @@ for NSA; every ``train.eval_every`` steps ``val_loss``, ``val_accuracy`` and NSA
 and ``0_val_loss`` / ``0_val_accuracy`` (the last logged), ``0_tokens_per_s`` (median over the main
 stage's logged steps), ``0_sel_recall`` / ``0_sel_mass`` (NSA; on a retrieval task also their
 ``_answers`` forms, at the answer positions), ``0_peak_mem_gib`` (CUDA). With ``train.profile=true``,
-step ``log_every + 1`` runs under torch.profiler: its table (kernels and ops by their own device time)
-is printed and logged on the run as ``profile/train_step.txt``. A sweep's
+step ``log_every + 1`` runs under torch.profiler: its tables (kernels and ops by their own device time,
+and on a GPU by their own host time) are printed and logged on the run as ``profile/train_step.txt``.
+``train.compile=<mode>`` runs the training steps through ``torch.compile`` (``reduce-overhead``: CUDA
+graphs; docs/training.md "Speed"). A sweep's
 parent carries every job's curves as its own metrics (``loss/nsa``, ``val_accuracy/dense``, ...) and
 ``train_by_step.png``.
 
