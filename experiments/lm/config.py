@@ -14,6 +14,7 @@ from nsa import dispatch
 from .ablations import Ablation
 from .data import make_task
 from .model import ATTENTION, LMConfig
+from .recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -55,12 +56,24 @@ class TrainConfig:
     # NSA only (dense and window ignore it): issue 29's ablations, experiments/lm/ablations.py; the defaults are
     # the paper's method. {selection: topn|full|oracle, branches: [a non-empty subset of cmp, sel, win]}
     ablation: Ablation = field(default_factory=Ablation)
+    # NSA only: the training recipe (issue 42), experiments/lm/recipe.py; the defaults are the plain method.
+    # {gate_lr, sel_loss, sel_loss_rows, sel_loss_steps, sel_loss_detach_q}
+    recipe: Recipe = field(default_factory=Recipe)
+    # NSA only: at the end of a completed run, the selections of NSA layer selection_layer (an index into the
+    # model's NSA layers) on a held-out sequence of each length, saved on the run (experiments/lm/selections.py)
+    save_selections: bool = False
+    selection_lengths: tuple = (8192, 16384, 32768, 65536)
+    selection_layer: int = -1
 
     def __post_init__(self):
         if isinstance(self.ablation, Mapping):
             object.__setattr__(self, "ablation", build(Ablation, self.ablation, "train.ablation"))
         elif not isinstance(self.ablation, Ablation):
             raise ValueError(f"train.ablation={self.ablation!r}: must be a mapping {{selection, branches}}")
+        if isinstance(self.recipe, Mapping):
+            object.__setattr__(self, "recipe", build(Recipe, self.recipe, "train.recipe"))
+        elif not isinstance(self.recipe, Recipe):
+            raise ValueError(f"train.recipe={self.recipe!r}: must be a mapping of experiments.lm.recipe.Recipe's fields")
         for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
             check_int(f"train.{f}", getattr(self, f), 1)
         for f in ("warmup", "eval_batches", "gates_open_steps"):
@@ -74,6 +87,16 @@ class TrainConfig:
                 raise ValueError(f"train.{f}={v!r}: must be a number")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"train.compile={self.compile!r}: must be one of {', '.join(COMPILE_MODES)}")
+        if not isinstance(self.save_selections, bool):
+            raise ValueError(f"train.save_selections={self.save_selections!r}: must be true or false")
+        lengths = self.selection_lengths
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)) or not lengths:
+            raise ValueError(f"train.selection_lengths={lengths!r}: must be a non-empty list of lengths")
+        for i, v in enumerate(lengths):
+            check_int(f"train.selection_lengths[{i}]", v, 1)
+        object.__setattr__(self, "selection_lengths", tuple(lengths))
+        if isinstance(self.selection_layer, bool) or not isinstance(self.selection_layer, int):
+            raise ValueError(f"train.selection_layer={self.selection_layer!r}: must be an integer (a layer index)")
         if not isinstance(self.profile, bool):
             raise ValueError(f"train.profile={self.profile!r}: must be true or false")
         if self.profile and self.log_every < 2:
@@ -155,6 +178,16 @@ class RunConfig:
                 if not hasattr(t, "sources"):
                     raise ValueError(f"train.ablation.selection=oracle: needs a lookup task whose answers have a "
                                      f"source (data.task=needles|retrieval), got {t.task!r}")
+        if self.attention == "nsa" and self.train.save_selections:
+            L = self.lm.n_layers
+            if not -L <= self.train.selection_layer < L:
+                raise ValueError(f"train.selection_layer={self.train.selection_layer}: the model has {L} NSA layers "
+                                 f"(an index in [{-L}, {L}))")
+            for T in self.train.selection_lengths:
+                try:
+                    make_task({**self.data, "seq_len": T}, self.seed)
+                except ValueError as e:
+                    raise ValueError(f"train.selection_lengths: {T}: {e}") from e
         if self.attention == "nsa" and self.train.eval_batches:
             most = task.seq_len - acfg.n_sel * acfg.l_sel
             if self.train.sel_rows > most:

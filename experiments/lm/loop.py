@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from nsa import NSAConfig, dispatch
 
 from ..measure.timing import profiled
-from . import ablations, checkpoint, cost, probes
+from . import ablations, checkpoint, cost, probes, recipe
 from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
 from .data import IGNORE
 from .model import LM, count_parameters
@@ -77,14 +77,26 @@ def parameter_counts(cfg: RunConfig) -> dict[str, int]:
         return count_parameters(build_model(cfg))
 
 
-def _loss(model, tokens, targets, task):
+def _loss(model, tokens, targets, task, sel_rows=None, detach_q=True):
+    """The language-model loss, the correct answers and their count; with ``sel_rows`` (experiments.lm.recipe)
+    also the NSA layers' mean selection loss (else None)."""
     # the oracle selection (experiments.lm.ablations) reads where each answer's source sits
     sources = task.sources(tokens, targets) if model.selection == "oracle" else None
-    logits = model(tokens, sources)
+    out = model(tokens, sources) if sel_rows is None else model(tokens, sources, sel_rows, detach_q)
+    logits, aux = (out, None) if sel_rows is None else out
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
     mask = targets != IGNORE
     correct = ((logits.argmax(-1) == targets) & mask).sum()
-    return loss, correct, mask.sum()
+    return loss, correct, mask.sum(), aux
+
+
+def recipe_weight(cfg: RunConfig, step: int, seq_len: int) -> float:
+    """The selection loss's weight at update ``step`` (1-based) on sequences of ``seq_len`` tokens: 0 for dense
+    and window attention, and where no row chooses blocks (seq_len <= n_sel * l_sel: the top-n takes them all)."""
+    c = cfg.lm.attention_config()
+    if cfg.attention != "nsa" or seq_len <= c.n_sel * c.l_sel:
+        return 0.0
+    return cfg.train.recipe.sel_loss_at(step)
 
 
 def _memory_metrics(device) -> dict[str, float]:
@@ -106,7 +118,7 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
     for i in range(cfg.train.eval_batches):
         tokens, targets = (t.to(device) for t in task.batch("val", i, cfg.train.batch))
         with probes.layer_inputs(layers) as xs, autocast():
-            loss, correct, n = _loss(model, tokens, targets, task)
+            loss, correct, n, _ = _loss(model, tokens, targets, task)
         tot["loss"] += float(loss) / cfg.train.eval_batches
         tot["correct"] += int(correct)
         tot["n"] += int(n)
@@ -120,7 +132,7 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
     model.train()
     out = {"val_loss": tot["loss"], "val_accuracy": tot["correct"] / max(1, tot["n"])}
     if layers:
-        for key in ("mass", "recall", "mass_answers", "recall_answers"):
+        for key in ("mass", "recall", "share", "mass_answers", "recall_answers"):
             if f"sel_{key}_l0" in sel:
                 out[f"sel_{key}"] = sum(sel[f"sel_{key}_l{j}"] for j in range(len(layers))) / len(layers)
         out.update(sel)
@@ -131,7 +143,7 @@ def _added_at_default(key: str, value) -> bool:
     """An ``lm.nsa`` or ``train.ablation`` key that a checkpoint written before NSAConfig / TrainConfig gained
     the field lacks, here at that field's default (gate_bias, shared_kv, phi_init, ablation; issue 29): the same
     run, no difference."""
-    for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation)):
+    for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation), ("train.recipe.", recipe.Recipe)):
         defaults = {f.name: f.default for f in fields(cls)}
         name = key.removeprefix(prefix)
         if key.startswith(prefix) and name in defaults and defaults[name] == value:
@@ -190,6 +202,7 @@ class _Window:
         z = torch.zeros((), device=self.device)
         self.loss, self.gnorm = z.clone(), z.clone()
         self.correct, self.n = z.long(), z.long()
+        self.aux, self.aux_steps = z.clone(), 0  # the selection loss (train.recipe.sel_loss)
         self.steps, self.tokens, self.flops = 0, 0, 0.0
         self.untimed_s, self.untimed_tokens, self.untimed_flops = 0.0, 0, 0.0  # a profiled step
         if self.device.type == "cuda":
@@ -203,9 +216,15 @@ class _Window:
         self.n += n
         self.steps, self.tokens, self.flops = self.steps + 1, self.tokens + tokens, self.flops + flops
 
+    def add_aux(self, aux):
+        self.aux += aux.detach().float()
+        self.aux_steps += 1
+
     def take(self) -> dict[str, float]:
         out = {"loss": float(self.loss) / self.steps, "accuracy": int(self.correct) / max(1, int(self.n)),
                "grad_norm": float(self.gnorm) / self.steps}  # these reads wait for the device
+        if self.aux_steps:
+            out["sel_loss"] = float(self.aux) / self.aux_steps
         dt = time.perf_counter() - self.t0 - self.untimed_s
         out.update(tokens_per_s=(self.tokens - self.untimed_tokens) / dt,
                    model_tflop_per_s=(self.flops - self.untimed_flops) / dt / 1e12)
@@ -214,10 +233,16 @@ class _Window:
 
 
 def _optimizer(model, tc: TrainConfig):
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings; not norms and biases
-    other = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                             lr=tc.lr, betas=(tc.beta1, tc.beta2))
+    """AdamW; each group's ``lr_scale`` multiplies the schedule's learning rate (``train.recipe.gate_lr`` for
+    the NSA gate MLPs, 1 for the rest)."""
+    gate = {id(p) for p in recipe.gate_parameters(model)} if tc.recipe.gate_lr != 1 else set()
+    groups = []
+    for scale, mine in ((1.0, False), (tc.recipe.gate_lr, True)):
+        ps = [p for p in model.parameters() if (id(p) in gate) == mine]
+        if ps:  # matrices and embeddings decay; norms and biases do not
+            groups += [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": tc.weight_decay, "lr_scale": scale},
+                       {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0, "lr_scale": scale}]
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2))
 
 
 def _check_backends(cfg: RunConfig, device, dtype):
@@ -234,7 +259,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     """Train ``cfg`` on ``device`` to ``cfg.train.steps`` (or to ``time_limit_s``), resuming from
     ``ckpt_dir`` if it holds a checkpoint. See the module docstring for the callback contract.
     Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters), "profile" (with
-    train.profile: the profiler's table of step log_every + 1, if this process ran it; else None)}``."""
+    train.profile: the profiler's table of step log_every + 1, if this process ran it; else None), "model" (the
+    trained model, on ``device``)}``."""
     device = torch.device(device)
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
@@ -261,6 +287,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     branch_gates = ablations.BranchGates(model.nsa_layers(), tc.ablation.branches)
     gates = probes.GateMeans(model.nsa_layers())
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
+    acfg = cfg.lm.attention_config()
+    first_row = acfg.n_sel * acfg.l_sel  # the selection loss's rows: where the top-n chooses
     last_metrics, completed, t_start = {}, True, time.perf_counter()
     window = _Window(device)
     if tc.compile == "none":
@@ -277,18 +305,25 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     while step < tc.steps:
         lr = tc.lr_at(step + 1)
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before the recipe has none
         stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
         _, task, batch = stages[stage]
         profiling, t0 = step + 1 == profile_at, time.perf_counter()
         with profiled(device, rows=40) if profiling else contextlib.nullcontext() as table:
-            tokens, targets = (t.to(device, non_blocking=True) for t in task.batch("train", position, batch))
+            tokens, targets = task.batch("train", position, batch)
+            sel_w = recipe_weight(cfg, step + 1, task.seq_len)
+            sel_rows = None if not sel_w else recipe.sample_rows(
+                targets != IGNORE, tc.recipe.sel_loss_rows, first_row, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            ).to(device, non_blocking=True)
+            tokens, targets = (t.to(device, non_blocking=True) for t in (tokens, targets))
             gates.mask = targets != IGNORE if task.answers_only else None
             held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
             with autocast(), compiling():
-                loss, correct, n = _loss(step_model, tokens, targets, task)
+                loss, correct, n, aux = _loss(step_model, tokens, targets, task, sel_rows, tc.recipe.sel_loss_detach_q)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss if aux is None else loss + sel_w * aux).backward()
+            if aux is not None:
+                window.add_aux(aux)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
             opt.step()
         step, position = step + 1, position + 1
@@ -321,4 +356,4 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     branch_gates.remove()
     held.remove()
     return {"step": step, "completed": completed, "metrics": last_metrics, "params": count_parameters(model),
-            "profile": profile}
+            "profile": profile, "model": model}

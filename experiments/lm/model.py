@@ -31,7 +31,7 @@ from nsa import NSAAttention, NSAConfig, functional
 from nsa._compat import sdpa_gqa
 from nsa.module import rope
 
-from . import ablations
+from . import ablations, recipe
 
 ATTENTION = ("nsa", "dense", "window")
 
@@ -119,13 +119,18 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False), nn.GELU(),
                                  nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False))
 
-    def forward(self, x, sources=None):
+    def forward(self, x, sources=None, sel_rows=None, detach_q=True):
+        """``x`` after the block; with ``sel_rows`` (NSA: experiments.lm.recipe's selection loss) also this
+        layer's selection loss on its attention input, else None."""
         h = self.norm1(x)
         if self.selection != "topn" and isinstance(self.attn, NSAAttention):  # experiments.lm.ablations
             x = x + self.attn(h, block_indices=ablations.block_indices(self.attn, h, self.selection, sources))
         else:
             x = x + self.attn(h)
-        return x + self.mlp(self.norm2(x))
+        aux = None
+        if sel_rows is not None and isinstance(self.attn, NSAAttention):
+            aux = recipe.selection_kl(self.attn, h, sel_rows, detach_q)
+        return x + self.mlp(self.norm2(x)), aux
 
 
 class LM(nn.Module):
@@ -133,7 +138,10 @@ class LM(nn.Module):
 
     ``selection`` (``experiments.lm.ablations``; NSA only, the other attentions ignore it): ``topn`` the
     paper's selection, ``full`` / ``oracle`` the blocks that ablation feeds each NSA layer's selected branch;
-    ``oracle`` needs ``sources`` ([B,T], each answer's source position: the task's ``sources``)."""
+    ``oracle`` needs ``sources`` ([B,T], each answer's source position: the task's ``sources``).
+
+    ``forward(idx, sources, sel_rows=[B,R])`` (training with ``train.recipe.sel_loss``, ``experiments.lm.recipe``)
+    returns ``(logits, the NSA layers' mean selection loss)``."""
 
     def __init__(self, cfg: LMConfig, vocab_size: int, attention: str, *, backend="reference", fallback=None,
                  streams: bool = True, selection: str = "topn"):
@@ -168,11 +176,17 @@ class LM(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx, sources=None):
+    def forward(self, idx, sources=None, sel_rows=None, detach_q=True):
         x = self.emb(idx)
+        aux = []
         for block in self.blocks:
-            x = block(x, sources)
-        return F.linear(self.norm(x), self.emb.weight)
+            x, a = block(x, sources, sel_rows, detach_q)
+            if a is not None:
+                aux.append(a)
+        logits = F.linear(self.norm(x), self.emb.weight)
+        if sel_rows is None:
+            return logits
+        return logits, (torch.stack(aux).mean() if aux else torch.zeros((), device=logits.device))
 
     def nsa_layers(self) -> list[NSAAttention]:
         return [b.attn for b in self.blocks if isinstance(b.attn, NSAAttention)]
