@@ -57,6 +57,27 @@ def test_needles_structure():
             assert int(tgt[b, p]) == int(needles[needles // V == j]) == int(tok[b, p + 1])
 
 
+def test_stdlib_corpus_windows_lie_inside_one_held_out_or_trained_file():
+    """data.corpus=stdlib: every window is a slice of one source file, the validation files are not trained on,
+    and files long enough for 8k windows exist (the text8k preset's premise)."""
+    from experiments.lm.data import corpus_documents
+
+    t = Text(seq_len=1024, corpus="stdlib")
+    docs = {split: corpus_documents("stdlib", split, 8) for split in ("train", "val")}
+    assert len(docs["train"]) > 300 and len(docs["val"]) > 40 and sum(len(d) > 8193 for d in docs["train"]) > 100
+    for split, (x, y) in (("train", t.batch("train", 7, 6)), ("val", t.batch("val", 1, 6))):
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row, last in zip(x, y[:, -1]):
+            window = bytes(row.tolist()) + bytes([int(last)])
+            assert any(window in d for d in docs[split]), split  # inside one file of its own split
+    val = set(docs["val"])
+    assert not val & set(docs["train"])
+    with pytest.raises(ValueError, match=r"data.corpus='wiki': must be one of \('pydoc', 'stdlib'\)"):
+        Text(seq_len=64, corpus="wiki")
+    with pytest.raises(ValueError, match=r"data.seq_len=100000000: the train split of corpus 'stdlib' holds no window"):
+        Text(seq_len=100_000_000, corpus="stdlib")
+
+
 @pytest.mark.parametrize("change,match", [(dict(n_queries=7), "data.n_queries=7: must be <= n_slots=6"),
                                           (dict(seq_len=30), "data.seq_len=30: too short for 6 needles"),
                                           (dict(n_values=0), "data.n_values=0: must be an integer >= 1")])
@@ -107,9 +128,19 @@ def test_retrieval_config_errors(change, match):
 
 
 def test_text_config_errors():
-    with pytest.raises(ValueError, match=r"data.seq_len=100000: the val split has only"):
+    with pytest.raises(ValueError, match=r"data.seq_len=100000: the val split of corpus .pydoc. holds no window of 100001 bytes"):
         Text(seq_len=100_000)
     with pytest.raises(ValueError, match=r"data.val_stride=1"):
         Text(seq_len=16, val_stride=1)
     with pytest.raises(ValueError, match=r"split='test'"):
         Retrieval(**{k: v for k, v in RET.items() if k != "task"}).batch("test", 0, 1)
+
+
+@pytest.mark.parametrize("corpus", ["pydoc", "stdlib"])
+def test_text_made_under_the_meta_device_holds_cpu_data(corpus):
+    """experiments.train counts parameters on a model built under torch.device("meta"), which makes the tasks
+    there too: their bytes and window starts must stay real CPU tensors."""
+    with torch.device("meta"):
+        t = Text(seq_len=512, corpus=corpus)
+    x, y = t.batch("train", 0, 2)
+    assert x.device.type == "cpu" and torch.equal(x, Text(seq_len=512, corpus=corpus).batch("train", 0, 2)[0])

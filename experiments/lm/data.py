@@ -15,12 +15,15 @@ consumed), stored in the checkpoint, and a resumed run sees the batches an unint
   with a smaller gap it can relay the last pairs through its layers.
 * :class:`Needles`: multi-needle retrieval, single hop (one value of each slot hidden in filler; the
   query names the slot): the long-range lookup a small model learns quickly.
-* :class:`Text`: byte-level language modelling on the English documentation text that CPython ships
-  in its standard library (``pydoc_data.topics``, ~465 KB in 3.11), every 8th topic (~8 % of the text) held out for
-  validation; training windows are drawn without replacement, reshuffled every epoch.
+* :class:`Text`: byte-level language modelling on text that CPython ships: its English documentation
+  (``data.corpus=pydoc``: ``pydoc_data.topics``, ~465 KB in 3.11, short topics) or its standard library's
+  source files (``data.corpus=stdlib``: one document a file, hundreds longer than 8k bytes, for long-context
+  training), every 8th document held out for validation; training windows are drawn without replacement,
+  reshuffled every epoch.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
@@ -197,45 +200,98 @@ class Needles(_Lookup):
         return (tokens[b] == targets[b, t][:, None]).int().argmax(-1)
 
 
+CORPORA = ("pydoc", "stdlib")
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_documents() -> tuple[tuple[str, bytes], ...]:
+    """The Python standard library's own source files (``sysconfig``'s ``stdlib`` folder, ``*.py``, outside
+    its tests, ``site-packages`` and ``idlelib``), ``(relative path, bytes)`` sorted by path: real, public
+    text (code, docstrings and comments by CPython's authors, PSF licence), each file one document, hundreds
+    of them longer than 8k bytes. Python ships it: nothing is downloaded (it differs between Python versions)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
+    docs = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if skip.isdisjoint(rel.parts):
+            docs.append((rel.as_posix(), f.read_bytes()))
+    return tuple(docs)
+
+
+def corpus_documents(corpus: str, split: str, val_stride: int) -> list[bytes]:
+    """The documents of ``corpus`` in ``split``: every ``val_stride``-th one (indices val_stride-1,
+    2*val_stride-1, .. in sorted order) in ``val``, the rest in ``train``. ``pydoc``: the topics of
+    ``pydoc_data.topics`` (CPython's documentation text, short: a median of ~1.7 KB); ``stdlib``:
+    :func:`stdlib_documents`."""
+    _check_split(split)
+    if corpus == "pydoc":
+        from pydoc_data.topics import topics
+
+        docs = [topics[k].encode("utf-8") for k in sorted(topics)]
+    elif corpus == "stdlib":
+        docs = [b for _, b in stdlib_documents()]
+    else:
+        raise ValueError(f"data.corpus={corpus!r}: must be one of {CORPORA}")
+    return [d for i, d in enumerate(docs) if (i % val_stride == val_stride - 1) == (split == "val")]
+
+
 def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
     """The text of ``pydoc_data.topics`` (CPython's standard library) as bytes: topics in sorted order,
     every ``val_stride``-th one (indices val_stride-1, 2*val_stride-1, ..) in ``val``, the rest in ``train``."""
-    from pydoc_data.topics import topics
-
-    _check_split(split)
-    names = [k for i, k in enumerate(sorted(topics)) if (i % val_stride == val_stride - 1) == (split == "val")]
-    text = "\n\n".join(topics[k] for k in names)
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+    text = b"\n\n".join(corpus_documents("pydoc", split, val_stride))
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).clone()
 
 
 @dataclass(frozen=True)
 class Text:
-    """Byte-level next-token prediction on :func:`corpus_bytes` (vocabulary 256), split by topic.
-    A split's windows are its non-overlapping ``seq_len + 1``-byte windows; training visits them in
-    a fresh permutation every epoch, validation batch i takes windows i*B.. of one fixed permutation."""
+    """Byte-level next-token prediction (vocabulary 256) on a corpus split by document (``corpus``):
+    ``pydoc`` (:func:`corpus_bytes`: the topics joined, windows across them) or ``stdlib``
+    (:func:`stdlib_documents`: windows inside one file each, so every window is one document's; files
+    shorter than a window are left out). A split's windows are non-overlapping ``seq_len + 1``-byte windows;
+    training visits them in a fresh permutation every epoch, validation batch i takes windows i*B.. of one
+    fixed permutation."""
 
     # every position is a target
     answers_only: ClassVar[bool] = False
     seq_len: int
     val_stride: int = 8
+    corpus: str = "pydoc"
     seed: int = 0
     task: str = "text"
 
     def __post_init__(self):
         _positive("data", self, ("seq_len",))
         _int_at_least("data.val_stride", self.val_stride, 2)
-        text = {split: corpus_bytes(split, self.val_stride) for split in SPLITS}
-        for split, b in text.items():
-            if len(b) < self.seq_len + 1:
-                raise ValueError(f"data.seq_len={self.seq_len}: the {split} split has only {len(b)} bytes")
+        if self.corpus not in CORPORA:
+            raise ValueError(f"data.corpus={self.corpus!r}: must be one of {CORPORA}")
+        text, starts = {}, {}
+        for split in SPLITS:
+            if self.corpus == "pydoc":
+                text[split] = corpus_bytes(split, self.val_stride)
+                starts[split] = torch.arange((len(text[split]) - 1) // self.seq_len, device="cpu") * self.seq_len
+            else:
+                docs = corpus_documents(self.corpus, split, self.val_stride)
+                text[split] = torch.frombuffer(bytearray(b"".join(docs)), dtype=torch.uint8).clone()
+                # explicit CPU tensors: a task is also made under torch.device("meta") (loop.parameter_counts)
+                offsets = torch.tensor([0, *(len(d) for d in docs)], device="cpu").cumsum(0)
+                starts[split] = torch.cat([o + torch.arange(max(0, (len(d) - 1) // self.seq_len), device="cpu") * self.seq_len
+                                           for o, d in zip(offsets.tolist(), docs)])
+            if len(starts[split]) == 0:
+                raise ValueError(f"data.seq_len={self.seq_len}: the {split} split of corpus {self.corpus!r} holds no "
+                                 f"window of {self.seq_len + 1} bytes")
         object.__setattr__(self, "_bytes", text)
+        object.__setattr__(self, "_starts", starts)
 
     @property
     def vocab_size(self) -> int:
         return 256
 
     def windows(self, split: str) -> int:
-        return (len(self._bytes[split]) - 1) // self.seq_len
+        return len(self._starts[split])
 
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)
@@ -245,7 +301,7 @@ class Text:
         epochs = {i // n if split == "train" else 0 for i in items}
         perms = {e: torch.randperm(n, generator=generator(self.seed, split, e)) for e in epochs}
         win = torch.stack([perms[i // n if split == "train" else 0][i % n] for i in items])
-        idx = win[:, None] * self.seq_len + torch.arange(self.seq_len + 1)
+        idx = self._starts[split][win][:, None] + torch.arange(self.seq_len + 1)
         chunk = self._bytes[split][idx].long()
         return chunk[:, :-1], chunk[:, 1:]
 
