@@ -32,12 +32,14 @@ import logging
 import statistics
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
 from .framework.config import one_line
-from .lm import checkpoint
-from .lm.config import RunConfig
+from .lm import checkpoint, selections
+from .lm.config import DTYPES, RunConfig
+from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
 
 log = logging.getLogger("experiments.train")
@@ -96,6 +98,26 @@ def headline(job: Job, cfg: RunConfig) -> dict[str, float]:
     return out
 
 
+def save_selections(job: Job, cfg: RunConfig, model) -> None:
+    """train.save_selections: the trained layer's selections on held-out sequences of train.selection_lengths,
+    on the run as ``selections/layer<i>.pt`` with their tile sharing as metrics (``sel_share_T<T>``,
+    ``sel_share_picked_T<T>``; experiments/lm/selections.py)."""
+    tc, dtype = cfg.train, DTYPES[cfg.dtype]
+    layer = tc.selection_layer % len(model.nsa_layers())  # RunConfig checked it names a layer
+    path = job.out_dir / "selections" / f"layer{layer}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def autocast():
+        return torch.autocast(job.device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    stats = selections.save(model, lambda T: make_task({**cfg.data, "seq_len": T}, cfg.seed), tc.selection_lengths,
+                            layer, path, job.device, autocast)
+    job.run.log_artifact(path, "selections")
+    job.run.log_metrics({f"sel_{k}": v for k, v in stats.items()}, tc.steps)
+    log.info(f"[train] selections of NSA layer {layer} at {', '.join(map(str, tc.selection_lengths))} tokens saved on the "
+             f"run (selections/{path.name}); tile sharing: " + ", ".join(f"{k} {v:.3f}" for k, v in stats.items()))
+
+
 def work(job: Job) -> Result:
     cfg = run_config(job)
     tc, run, ckpt = cfg.train, job.run, job.out_dir / "ckpt"
@@ -116,6 +138,8 @@ def work(job: Job) -> Result:
                         if "val_loss" in metrics else "") + f", {metrics['tokens_per_s']:.0f} tokens/s")
 
     out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run.id, logged_through=done)
+    if tc.save_selections and cfg.attention == "nsa" and out["completed"]:
+        save_selections(job, cfg, out["model"])
     texts = {}
     if out["profile"]:
         texts["profile/train_step.txt"] = out["profile"]

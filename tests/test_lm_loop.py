@@ -56,7 +56,7 @@ def test_metrics_per_variant(tmp_path, attention):
     nsa = {f"gate_{b}{at}{suffix}" for b in ("cmp", "sel", "win") for at in ("", "_answers") for suffix in ("", "_l0", "_l1")}
     evaluation = {"val_loss", "val_accuracy"}
     selection = {f"{k}{at}{suffix}" for k in ("sel_mass", "sel_recall") for at in ("", "_answers")
-                 for suffix in ("", "_l0", "_l1")}
+                 for suffix in ("", "_l0", "_l1")} | {f"sel_share{suffix}" for suffix in ("", "_l0", "_l1")}
     want = base | (nsa if attention == "nsa" else set())
     assert set(logged[0][1]) == want
     assert set(logged[1][1]) == want | evaluation | (selection if attention == "nsa" else set())

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from experiments.lm import probes
+from experiments.lm import probes, selections
 from nsa import NSAAttention, NSAConfig, functional
 
 F64 = torch.float64
@@ -124,9 +124,14 @@ def test_selection_quality_matches_a_plain_loop():
     assert got["mass_answers"] == pytest.approx(sum(ans_s) / len(ans_s), abs=1e-6)
     assert got["recall_answers"] == pytest.approx(sum(ans_r) / len(ans_r), abs=1e-6)
     assert abs(got["mass_answers"] - got["mass"]) > 1e-3  # the subset differs from the whole: the mask is used
-    assert set(probes.selection_quality(layer, x, rows)) == {"mass", "recall"}
+    assert set(probes.selection_quality(layer, x, rows)) == {"mass", "recall", "share"}
     none = torch.zeros(B, rows, dtype=torch.bool)
-    assert set(probes.selection_quality(layer, x, rows, none)) == {"mass", "recall"}  # no answer among the rows
+    assert set(probes.selection_quality(layer, x, rows, none)) == {"mass", "recall", "share"}  # no answer among the rows
+    # share: the tile sharing of the blocks the layer selects for these rows (one tile of all of them here)
+    q, kv, _ = layer.project(x.float(), torch.arange(x.shape[1]))
+    idx = functional.select_blocks(probes.compressed_scores(layer, q[:, -rows:], kv, x.shape[1] - rows), layer.config,
+                                   q_start=x.shape[1] - rows)
+    assert got["share"] == pytest.approx(selections.tile_sharing(idx, rows), abs=1e-9) and 0 < got["share"] <= 1
     with pytest.raises(ValueError, match=r"answers has shape \(2, 19\), needs \[B, rows\] = \(2, 20\)"):
         probes.selection_quality(layer, x, rows, answers[:, 1:])
 

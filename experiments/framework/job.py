@@ -78,6 +78,11 @@ class Run:
         with tracking.writing(self.client):
             tracking.log_batch(self.client, self.id, params=params)
 
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        """The file ``path`` on the run, under ``artifact_path`` (a folder of its artifacts; None: the top)."""
+        with tracking.writing(self.client):
+            self.client.log_artifact(self.id, str(path), artifact_path)
+
     def history(self, key: str) -> list[tuple[int, float]]:
         """``(step, value)`` of metric ``key`` as stored (an earlier process's points too), by step."""
         return sorted((m.step, m.value) for m in self.client.get_metric_history(self.id, key))

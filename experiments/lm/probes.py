@@ -8,7 +8,8 @@
 * :class:`HoldGatesOpen`: a forward hook that holds every gate at 1 while active (``train.gates_open_steps``).
 * :func:`selection_quality`: for the last ``rows`` query positions of a sequence, in float32,
   the share of full attention's probability mass that falls inside the blocks the layer selects
-  (``mass``), and the recall of the ``n_sel`` blocks full attention weighs most (``recall``).
+  (``mass``), the recall of the ``n_sel`` blocks full attention weighs most (``recall``), and how much
+  neighbouring queries share their blocks (``share``: ``selections.tile_sharing`` over tiles of 64 rows).
   "Full attention" is softmax(scale * q . k_sel) over every key u <= t, with the layer's own
   queries and selection-branch keys, per query head; blocks are ranked per group by the mass
   summed over the group's G heads, as NSA scores them (Eq. 10).
@@ -220,7 +221,9 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
         mass.append(mass_in_selected(m, i))
         recall.append(topn_recall(m, i, c.n_sel, r0 + a, c.l_sel))
     mass, recall = torch.cat(mass, 1), torch.cat(recall, 1)  # [B,rows,HQ], [B,rows,H]
-    out = {"mass": float(mass.mean()), "recall": float(recall.mean())}
+    from .selections import tile_sharing  # selections imports this module
+
+    out = {"mass": float(mass.mean()), "recall": float(recall.mean()), "share": tile_sharing(idx, min(64, rows))}
     if answers is not None:
         if answers.shape != (B, rows):
             raise ValueError(f"selection_quality: answers has shape {tuple(answers.shape)}, needs [B, rows] = {(B, rows)}")
