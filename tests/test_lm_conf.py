@@ -23,7 +23,8 @@ def compose_train(*overrides):
 
 def test_groups():
     assert GROUPS == {"lm": ["small", "smoke"], "attention": ["dense", "nsa", "window"], "data": ["needles", "retrieval", "text"],
-                      "train": ["needles32k", "needles_smoke", "retrieval32k", "retrieval32k_short", "smoke"]}
+                      "train": ["needles32k", "needles32k_g16", "needles_smoke", "retrieval32k", "retrieval32k_short", "smoke",
+                                "text8k", "text_smoke"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
@@ -100,9 +101,21 @@ def test_needles32k_preset(attention):
     assert len({t.vocab_size for _, t, _ in run.stages()}) == 1 and run.lm.attention_config().rope_base == 5e5
     main = run.stages()[-1][1]
     assert main.gap >= run.lm.n_layers * (run.lm.attention_config().w - 1)  # out of the window stack's reach
-    # the switches that made NSA learn it (BENCHMARKS.md): shared K/V, mean pooling, gates held through 8k
+    # the paper's architecture (a projection per branch, Eq. 7's MLP, free gates) with issue 42's recipe
     cfg = run.lm.attention_config()
-    assert (cfg.shared_kv, cfg.phi, run.train.gates_open_steps) == (True, "avg", 1100)
+    assert (cfg.shared_kv, cfg.phi, run.train.gates_open_steps) == (False, "mlp", 0)
+    assert (cfg.l, cfg.d, cfg.l_sel, cfg.n_sel, cfg.w, cfg.G) == (32, 16, 64, 16, 512, 4)
+    assert cfg.gate_bias == (3.0, 3.0, 3.0) and (run.train.recipe.gate_lr, run.train.recipe.sel_loss) == (0.1, 1.0)
+
+
+def test_needles32k_g16_preset():
+    """train=needles32k_g16: needles32k at the paper's group size (16 query heads on one key/value head)."""
+    run, base = (RunConfig.from_conf(compose_train(f"train={p}")) for p in ("needles32k_g16", "needles32k"))
+    cfg = run.lm.attention_config()
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.G) == (16, 1, 16)
+    assert {k: v for k, v in vars(cfg).items() if k not in ("n_heads", "n_kv_heads")} == \
+        {k: v for k, v in vars(base.lm.attention_config()).items() if k not in ("n_heads", "n_kv_heads")}
+    assert run.train == base.train and run.data == base.data
 
 
 def test_the_framework_validates_train_with_the_library():
@@ -124,17 +137,16 @@ def test_the_framework_validates_train_with_the_library():
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_needles_smoke_preset(attention):
-    """train=needles_smoke (issue 29): the CPU needle task on the reference backend, NSA with the switches
-    BENCHMARKS.md measured (each a named option, not the paper's default), the needles out of the window
-    stack's reach so only NSA's long-range branches can fetch them."""
+    """train=needles_smoke: the CPU needle task on the reference backend, NSA the paper's architecture with
+    issue 42's recipe, the needles out of the window stack's reach so only NSA's long-range branches can
+    fetch them."""
     run = RunConfig.from_conf(compose_train("train=needles_smoke", f"attention={attention}"))
     assert run.attention == attention and run.lm.name == "smoke" and set(run.backend.values()) == {"reference"}
     task = run.stages()[-1][1]
     assert (task.task, task.seq_len, task.n_slots, task.n_queries, task.n_values) == ("needles", 256, 4, 4, 8)
     acfg = run.lm.attention_config()
     assert task.gap >= run.lm.n_layers * (acfg.w - 1)
-    assert (acfg.shared_kv, acfg.phi, acfg.n_sel) == (True, "avg", 8)
-    # compression blocks of 8 tokens at stride 8 (lm=smoke's l is 16); selection blocks stay 16 tokens
-    assert (acfg.l, acfg.d, acfg.l_sel) == (8, 8, 16)
-    # a gate warm-up: held at 1 for the first half of the run, free after it
-    assert (run.train.steps, run.train.gates_open_steps) == (600, 300) and run.dtype == "float32"
+    assert (acfg.shared_kv, acfg.phi, acfg.n_sel, acfg.gate_bias) == (False, "mlp", 8, (3.0, 3.0, 3.0))
+    assert (acfg.l, acfg.d, acfg.l_sel) == (16, 8, 16)  # lm=smoke's blocks: l = 2d, as the paper's
+    assert (run.train.steps, run.train.gates_open_steps) == (600, 0) and run.dtype == "float32"
+    assert (run.train.recipe.gate_lr, run.train.recipe.sel_loss) == (0.1, 1.0)

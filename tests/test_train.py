@@ -30,9 +30,11 @@ SWEEP = "python -m experiments.train -m attention=nsa,dense train=smoke"
 STEPS, CKPT_EVERY = 60, 20  # conf/train/smoke.yaml
 KILL_AFTER = 25             # logged steps before the kill: past the checkpoint at step 20
 SHORT = ["-m", "attention=nsa,dense", "train=smoke", "train.steps=3"]
-# Documented commands that train for minutes (train=needles_smoke: 8 on 2 cores) run as written with a
+# Documented commands that train for minutes (needles_smoke, text_smoke: up to 10 on 2 cores) run as written with a
 # shortened schedule appended: the same preset, groups, sweep and store, 4 steps with one evaluation.
-SHORTENED = {"train=needles_smoke": ("train.steps=4", "train.eval_every=2", "train.log_every=1", "train.ckpt_every=4")}
+SHORTENED = {"train=needles_smoke": ("train.steps=4", "train.eval_every=2", "train.log_every=1", "train.ckpt_every=4"),
+             "train=text_smoke": ("train.steps=4", "train.eval_every=2", "train.log_every=1", "train.ckpt_every=4",
+                                  "train.eval_batches=1")}
 
 
 def _shortened(cmd: str) -> tuple[str, ...]:
