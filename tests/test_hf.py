@@ -1,0 +1,196 @@
+"""nsa.integrations.hf: a tiny random Llama, Qwen2 and Mistral, converted in float64 on the reference backend,
+equal NSAAttention run layer by layer; generate() with NSA's cache equals recomputing the whole sequence; the
+save_pretrained / from_pretrained round trip; every NSA parameter learns; what cannot convert is refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
+
+from nsa import NSAAttention, NSAConfig  # noqa: E402
+from nsa.integrations import hf  # noqa: E402
+
+F64 = torch.float64
+# T = 40..64 below: 5-8 selection blocks for n_sel = 3 (the top-n chooses), past the window of 16, and a
+# compressed token every 4 positions from 7 on.
+SETTINGS = dict(l=8, d=4, l_sel=8, n_sel=3, w=16, n_init=1, n_local=1, gate_hidden=8)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=101)
+ARCHS = {  # Qwen2 has q/k/v biases and here a head tied to the embedding; Llama biased everywhere, Mistral none
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SHAPE, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=24)),
+}
+
+
+def dense(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return ARCHS[arch]().to(F64).eval()
+
+
+def converted(arch: str, seed: int = 0, **settings):
+    m = dense(arch, seed)
+    return hf.convert(m, **{**SETTINGS, **settings})
+
+
+def ids(B=2, T=40, seed=1):
+    return torch.randint(0, SHAPE["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def nsa_params(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if ".self_attn.nsa." in n}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_convert_reuses_the_dense_weights_and_equals_nsa_layer_by_layer(arch):
+    src = dense(arch)
+    model = hf.convert(copy.deepcopy(src), **SETTINGS)
+    x = ids(T=64)
+    with torch.no_grad():
+        got = model(x).logits
+        want_dense = src(x).logits
+    # the reference: the model's own embedding, norms and MLPs around an NSAAttention per layer built here from
+    # the dense layer's q/k/v/o (each branch's k/v from the dense k/v) and the converted layer's phi and gates
+    c = src.config
+    theta = c.rope_parameters["rope_theta"]
+    biased = src.model.layers[0].self_attn.q_proj.bias is not None
+    o_biased = src.model.layers[0].self_attn.o_proj.bias is not None
+    cfg = NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=16, d_v=16, rope_base=theta, qkv_bias=biased,
+                    o_bias=o_biased, **SETTINGS)
+    assert model.config.nsa == {k: v for k, v in cfg.to_dict().items() if k in hf.SETTINGS}
+    with torch.no_grad():
+        h = src.model.embed_tokens(x)
+        for dl, new in zip(src.model.layers, model.model.layers):
+            ref = NSAAttention(cfg).to(F64)
+            a = dl.self_attn
+            state = {k: v for k, v in new.self_attn.nsa.state_dict().items() if k.startswith(("phi_", "gate."))}
+            for name, mod in [("q_proj", a.q_proj), ("o_proj", a.o_proj)] + [
+                    (f"kv_proj.{k}_{b}", getattr(a, f"{k}_proj")) for k in "kv" for b in ("cmp", "sel", "win")]:
+                state[f"{name}.weight"] = mod.weight
+                if mod.bias is not None:
+                    state[f"{name}.bias"] = mod.bias
+            ref.load_state_dict(state, strict=True)
+            h = h + ref(dl.input_layernorm(h))
+            h = h + dl.mlp(dl.post_attention_layernorm(h))
+        want = src.lm_head(src.model.norm(h))
+    assert (got - want).abs().max().item() <= 1e-9
+    assert (got - want_dense).abs().max().item() > 1e-3  # the attention did change
+    layer = model.model.layers[1].self_attn.nsa
+    assert torch.equal(layer.kv_proj["k_win"].weight, src.model.layers[1].self_attn.k_proj.weight)
+    assert (layer.q_proj.bias is not None) == biased and (layer.o_proj.bias is not None) == o_biased
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_generate_with_nsa_cache_equals_recomputation(arch, monkeypatch):
+    """generate() with the cache: the prompt is each layer's cached prefill, every new token a cached decode step
+    on NSACache (grown on the way, copied into one twice as long: capacity in steps of 16 here); without it, the whole sequence
+    is recomputed at every step. NSA rotates with its own float64 RoPE, so transformers' float32 RoPE is on
+    neither path: the two differ by float64 summation order at most (0.0 measured here), hence 1e-12."""
+    monkeypatch.setattr(hf, "_GROW", 16)
+    calls = []
+    append = hf.NSACacheLayer.append
+    monkeypatch.setattr(hf.NSACacheLayer, "append", lambda self, layer, x: calls.append(x.shape[1]) or append(self, layer, x))
+    model = converted(arch)
+    prompt, new = ids(T=40), 24
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(prompt, **kw)
+        assert calls == [40, 40] + [1, 1] * (new - 1)  # two layers: the prompt, then one token per step
+        calls.clear()
+        full = model.generate(prompt, use_cache=False, **kw)
+        assert calls == []
+    assert cached.sequences.shape == (2, 40 + new)
+    assert torch.equal(cached.sequences, full.sequences)
+    for a, b in zip(cached.logits, full.logits):
+        assert (a - b).abs().max().item() <= 1e-12
+    past = getattr(cached, "cache", None) or cached.past_key_values  # transformers 5.24 renamed it
+    layer = past.layers[0]
+    assert isinstance(layer, hf.NSACacheLayer) and layer.nsa_cache.length == 40 + new - 1
+    assert layer.nsa_cache.max_len == 96  # the prompt's 48 (40 in steps of 16), doubled at token 49
+
+
+def test_cache_crop_and_beam_reorder():
+    """Assisted decoding crops the cache, beam search reorders its rows: the next step equals prefill."""
+    model = converted("llama")
+    x = ids(B=3, T=30)
+    with torch.no_grad():
+        want = model(x).logits
+        cache = transformers.DynamicCache(config=model.config)
+        model(x[:, :28], past_key_values=cache, use_cache=True)
+        cache.crop(-3)  # back to 25 tokens
+        assert cache.get_seq_length() == 25
+        perm = torch.tensor([2, 0, 1])
+        cache.reorder_cache(perm)
+        got = model(x[perm, 25:30], past_key_values=cache, use_cache=True).logits
+    assert (got - want[perm, 25:30]).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_save_pretrained_from_pretrained_round_trip(arch, tmp_path):
+    model = converted(arch, phi_init="mean", gate_bias=[1.0, 0.5, -0.5])
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    back = hf.from_pretrained(tmp_path)
+    assert back.config.nsa == model.config.nsa and back.config.nsa["gate_bias"] == [1.0, 0.5, -0.5]
+    assert isinstance(back.model.layers[0].self_attn, hf.NSASelfAttention)
+    assert back.dtype == F64 and not back.training
+    x = ids(T=48)
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)
+    b, a = dict(back.named_parameters()), dict(model.named_parameters())
+    assert b.keys() == a.keys() and all(torch.equal(b[k], a[k]) for k in a)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_every_nsa_parameter_gets_a_gradient(arch, use_cache):
+    """As trained: model(ids, labels=ids).loss.backward(), with transformers' default use_cache (a cache filled
+    on the way, the cached prefill) and without."""
+    model = converted(arch).train()
+    x = ids(T=48)
+    model(x, labels=x, use_cache=use_cache).loss.backward()
+    params = nsa_params(model)
+    kinds = {n.split(".self_attn.nsa.")[1].split(".")[0] for n in params}
+    assert {"q_proj", "o_proj", "kv_proj", "phi_k", "phi_v", "gate"} <= kinds
+    no_grad = [n for n, p in params.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not no_grad
+
+
+def test_refusals_are_one_line_naming_the_cause():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    cases = [
+        (lambda: hf.convert(gpt2), r"^convert: architecture 'gpt2' \(GPT2LMHeadModel\) is not supported"),
+        (lambda: hf.convert(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SHAPE, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))),
+         r"^convert: rope_type='linear' \(llama\)"),
+        (lambda: hf.convert(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SHAPE, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}))),
+         r"^convert: partial_rotary_factor=0.5"),
+        (lambda: hf.convert(dense("llama"), n_heads=8), r"^convert: n_heads is the model's \(n_heads=4"),
+        (lambda: hf.convert(dense("llama"), window=8), r"^convert: unknown NSA setting 'window'"),
+        (lambda: hf.convert(dense("llama"), n_sel=1), r"^NSAConfig\.n_sel=1"),
+        (lambda: hf.convert(converted("llama")), r"^convert: the model's attention is NSA already"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+def test_padding_and_dense_checkpoints_are_refused(tmp_path):
+    model = converted("llama")
+    x = ids(T=20)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match=r"^attention_mask: an NSA model takes no padding"):
+        model.generate(x, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"^position_ids: an NSA model places its tokens at positions 0\.\.19"):
+        model(x, position_ids=torch.arange(20)[None] + 5)
+    dense("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"config\.json has no 'nsa' settings"):
+        hf.from_pretrained(tmp_path)
