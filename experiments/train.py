@@ -52,7 +52,11 @@ def run_config(job: Job) -> RunConfig:
     for key in ("model", "branch_force"):
         if key in job.cfg:
             raise ValueError(f"{key}: not an option of experiments.train (its model: lm=..., attention=...)")
-    return RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+    cfg = RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+    if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
+        from .lm.hf import check
+        check(cfg.lm, cfg.attention, cfg.train.ablation.selection)
+    return cfg
 
 
 def earlier_run(job: Job) -> str | None:

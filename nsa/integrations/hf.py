@@ -139,10 +139,10 @@ class NSASelfAttention(nn.Module):
     """A decoder layer's ``self_attn``: transformers' call in, :class:`nsa.NSAAttention` (``.nsa``) run, with the
     layer's :class:`NSACacheLayer` when a cache is passed. Returns ``(output, None)``: no attention weights."""
 
-    def __init__(self, config: NSAConfig, layer_idx: int, *, backend="reference", fallback=None):
+    def __init__(self, config: NSAConfig, layer_idx: int, *, backend="reference", fallback=None, streams=True):
         super().__init__()
         self.layer_idx = layer_idx
-        self.nsa = NSAAttention(config, backend=backend, fallback=fallback)
+        self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 cache=None, **kwargs):
@@ -219,13 +219,13 @@ def _refuse_padding_and_offsets(module, args, kwargs):
                              "(after those cached); packed sequences or other positions are not supported")
 
 
-def convert(model, *, backend="reference", fallback=None, **settings):
+def convert(model, *, backend="reference", fallback=None, streams=True, **settings):
     """``model`` (a transformers Llama, Qwen2 or Mistral causal LM, or its base model) with every decoder
     layer's self-attention replaced by NSA, in place, and returned.
 
     Arguments:
         model: the transformers model; its dense weights start the NSA layers (see the module docstring).
-        backend, fallback: as :class:`nsa.NSAAttention`'s (``reference`` on a CPU; ``triton`` on a GPU).
+        backend, fallback, streams: as :class:`nsa.NSAAttention`'s (``reference`` on a CPU; ``triton`` on a GPU).
         settings: NSAConfig fields other than those the model fixes (``l``, ``d``, ``l_sel``, ``n_sel``,
             ``w``, ``n_init``, ``n_local``, ``phi``, ``gate_hidden``, ``phi_hidden``, ``gate_bias``,
             ``shared_kv``, ``phi_init``); the rest at NSAConfig's defaults.
@@ -233,15 +233,16 @@ def convert(model, *, backend="reference", fallback=None, **settings):
         the same model object; ``model.config.nsa`` holds the settings, which ``save_pretrained`` writes and
         :func:`from_pretrained` reads.
     """
-    return _convert(model, settings, backend, fallback, copy_weights=True)
+    return _convert(model, settings, backend, fallback, streams, copy_weights=True)
 
 
-def _convert(model, settings, backend, fallback, *, copy_weights: bool):
+def _convert(model, settings, backend, fallback, streams=True, *, copy_weights: bool):
     cfg = nsa_config(model, **settings)
     for i, layer in enumerate(_decoder_layers(model)):
         dense = layer.self_attn
         ref = dense.q_proj.weight
-        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback).to(device=ref.device, dtype=ref.dtype)
+        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback, streams=streams).to(device=ref.device,
+                                                                                              dtype=ref.dtype)
         if copy_weights:
             m = new.nsa
             pairs = [(m.q_proj, dense.q_proj), (m.o_proj, dense.o_proj)]
