@@ -55,7 +55,7 @@ def run_config(job: Job) -> RunConfig:
     cfg = RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
     if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
         from .lm.hf import check
-        check(cfg.lm, cfg.attention, cfg.train.ablation.selection)
+        check(cfg.lm, cfg.attention, cfg.train.ablation.selection, cfg.stages()[-1][1].vocab_size)
     return cfg
 
 

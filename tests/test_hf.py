@@ -235,3 +235,73 @@ def test_lm_hf_refuses_what_it_cannot_train(tmp_path):
                            env=entrypoints.env(), capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and entrypoints.one_line(p.stderr) == [line], p.stderr[-2000:]
         assert not (tmp_path / "outputs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """save_pretrained folders of conf/lm/hf.yaml's shape (vocab 300 >= the text task's 256): a dense Llama, its
+    config alone, and the model converted with lm.nsa's settings."""
+    from omegaconf import OmegaConf
+
+    from experiments.lm.hf import hf_config
+    from experiments.lm.model import LMConfig
+
+    node = OmegaConf.to_container(OmegaConf.load(entrypoints.REPO / "conf" / "lm" / "hf.yaml"))
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(3)
+    m = transformers.AutoModelForCausalLM.from_config(hf_config(LMConfig(**node), 300))
+    m.save_pretrained(root / "dense")
+    m.config.save_pretrained(root / "config")
+    hf.convert(m, **{k: v for k, v in node["nsa"].items() if k in hf.SETTINGS}).save_pretrained(root / "nsa")
+    return root
+
+
+def _build(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from experiments.lm.config import RunConfig
+    from experiments.lm.loop import build_model, parameter_counts
+    from experiments.lm.model import count_parameters
+
+    with initialize_config_dir(config_dir=str(entrypoints.REPO / "conf"), version_base="1.3"):
+        run = RunConfig.from_conf(compose("train", ["lm=hf", *overrides]))
+    model = build_model(run)
+    assert parameter_counts(run) == count_parameters(model)  # built on the meta device: from the config alone
+    return model
+
+
+def test_lm_hf_path_starts_from_the_folder(folders):
+    """lm.hf.path: the dense checkpoint's weights start both models (NSA's branches from its k/v), a converted
+    checkpoint's every weight, a config alone a random init of its shape."""
+    from safetensors.torch import load_file
+
+    saved = load_file(folders / "dense" / "model.safetensors")
+    nsa, dense = (_build(f"lm.hf.path={folders / 'dense'}", f"attention={a}") for a in ("nsa", "dense"))
+    k = saved["model.layers.1.self_attn.k_proj.weight"]
+    assert torch.equal(nsa.hf.model.layers[1].self_attn.nsa.kv_proj["k_win"].weight, k)
+    assert torch.equal(dense.hf.model.layers[1].self_attn.k_proj.weight, k)
+    assert all(p.dtype == torch.float32 for p in nsa.parameters())
+    converted = load_file(folders / "nsa" / "model.safetensors")
+    got = _build(f"lm.hf.path={folders / 'nsa'}").hf.state_dict()
+    assert converted.keys() <= got.keys() and all(torch.equal(got[n], v) for n, v in converted.items())
+    fresh = _build(f"lm.hf.path={folders / 'config'}", "attention=dense").hf.model.layers[1].self_attn.k_proj.weight
+    assert fresh.shape == k.shape and not torch.equal(fresh, k)
+
+
+def test_lm_hf_path_runs_and_refuses_in_one_line(folders, tmp_path):
+    run = [sys.executable, "-m", "experiments.train", "train=smoke", "lm=hf", f"lm.hf.path={folders / 'dense'}"]
+    p = subprocess.run([*run, "-m", "attention=nsa,dense", "train.steps=3", "train.eval_every=3", "train.ckpt_every=3"],
+                       cwd=tmp_path, env=entrypoints.env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    _, rs = entrypoints.runs(tmp_path / "mlflow.db", "train")
+    assert len(rs) == 3 and all(r.info.status == "FINISHED" for r in rs)
+    (tmp_path / "x").mkdir()  # the refusals below leave nothing in it
+    for args, line in [(["lm.dim=32"], "lm.dim=32: the model at lm.hf.path has hidden_size=64"),
+                       ([f"lm.hf.path={folders / 'nsa'}", "lm.nsa.w=64"],
+                        "lm.nsa.w=64: the converted model at lm.hf.path has w=32"),
+                       ([f"lm.hf.path={folders / 'nope'}"],
+                        f"lm.hf.path={str(folders / 'nope')!r}: no config.json there (a save_pretrained folder or a config)")]:
+        p = subprocess.run([*run, *args], cwd=tmp_path / "x", env=entrypoints.env(), capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 2 and entrypoints.one_line(p.stderr) == ["config error: " + line], p.stderr[-2000:]
+        assert not (tmp_path / "x" / "outputs").exists() and not (tmp_path / "x" / "mlflow.db").exists()

@@ -285,7 +285,7 @@ def _state_dict(path: Path) -> dict:
     return out
 
 
-def from_pretrained(path, *, backend="reference", fallback=None):
+def from_pretrained(path, *, backend="reference", fallback=None, streams=True):
     """A model saved by ``save_pretrained`` after :func:`convert`: its architecture from ``config.json``, NSA
     with the recorded settings, every weight from its safetensors files (in their dtype), in eval mode."""
     path = Path(path)
@@ -297,7 +297,7 @@ def from_pretrained(path, *, backend="reference", fallback=None):
     model = AutoModelForCausalLM.from_config(config)
     if _dtype(config) is not None:
         model.to(_dtype(config))
-    _convert(model, settings, backend, fallback, copy_weights=False)
+    _convert(model, settings, backend, fallback, streams, copy_weights=False)
     state = _state_dict(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
