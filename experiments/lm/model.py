@@ -47,7 +47,7 @@ class LMConfig:
     mlp_hidden: int
     nsa: Mapping = field(default_factory=dict)
     name: str = ""
-    hf: Mapping | None = None  # lm=hf: {arch} of a transformers model built at this shape (experiments/lm/hf.py)
+    hf: Mapping | None = None  # lm=hf: {arch, path} of a transformers model of this shape (experiments/lm/hf.py)
 
     def __post_init__(self):
         for f in ("dim", "n_layers", "mlp_hidden"):
