@@ -54,7 +54,14 @@ def run_config(job: Job) -> RunConfig:
     for key in ("model", "branch_force"):
         if key in job.cfg:
             raise ValueError(f"{key}: not an option of experiments.train (its model: lm=..., attention=...)")
-    return RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+    cfg = RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+    if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
+        from .lm.hf import check
+        check(cfg.lm, cfg.attention, cfg.train.ablation.selection, cfg.stages()[-1][1].vocab_size)
+        if cfg.attention == "nsa" and cfg.train.recipe.sel_loss:
+            raise ValueError(f"train.recipe.sel_loss={cfg.train.recipe.sel_loss:g}: lm=hf does not take the selection loss "
+                             "(it reads each block of experiments.lm.model.LM); 0 trains without it")
+    return cfg
 
 
 def earlier_run(job: Job) -> str | None:

@@ -41,6 +41,10 @@ class NSAConfig:
     # ~50x smaller than the keys it compresses); "mean" starts the MLP as mean pooling over the block, exactly
     # (GELU(z) - GELU(-z) = z: needs phi_hidden 0 or >= 2 * head dim), and it learns from there.
     phi_init: str = "random"
+    # Biases of the input projections (q and every branch's k/v) and of the output projection, as a converted
+    # model's dense attention has them (Qwen2: q/k/v; Llama with attention_bias: all four; nsa.integrations.hf).
+    qkv_bias: bool = False
+    o_bias: bool = False
 
     def __post_init__(self):
         def bad(field, rule):
@@ -79,8 +83,9 @@ class NSAConfig:
             bad("phi_init", f"must be one of {PHI_INITS}")
         if self.phi_init == "mean" and self.phi == "mlp" and 0 < self.phi_hidden < 2 * max(self.d_k, self.d_v):
             bad("phi_init", f"'mean' needs phi_hidden >= 2 * max(d_k, d_v) = {2 * max(self.d_k, self.d_v)} (or 0)")
-        if not isinstance(self.shared_kv, bool):
-            bad("shared_kv", "must be true or false")
+        for f in ("shared_kv", "qkv_bias", "o_bias"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "must be true or false")
         rb = self.rope_base
         if isinstance(rb, bool) or not isinstance(rb, (int, float)) or not (0 < rb < float("inf")):
             bad("rope_base", "must be positive and finite")

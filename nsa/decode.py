@@ -119,6 +119,9 @@ class GraphDecoder:
 
     def __init__(self, module: NSAAttention, cache: NSACache, *, backend="triton", n_sm: int | None = None):
         c = self.config = module.config
+        if c.qkv_bias:  # its projection GEMM concatenates the weights alone
+            raise ValueError("NSAConfig.qkv_bias=True: GraphDecoder's step has no input-projection biases; decode "
+                             "with the module's own cached forward (layer(x_t, cache))")
         self.module, self.cache = module, cache
         ref = cache.k_sel
         self.B, self.max_len, self.device, self.dtype = cache.batch_size, cache.max_len, ref.device, ref.dtype

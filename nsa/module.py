@@ -199,17 +199,17 @@ class NSAAttention(nn.Module):
             raise ValueError(f"NSAConfig.d_k={c.d_k}: {c.rope_rule()}")
         self.backend, self.fallback, self.streams = backend, fallback, streams
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v
-        self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=False)
+        self.q_proj = nn.Linear(c.dim, HQ * Dk, bias=c.qkv_bias)
         if c.shared_kv:
             # One key and one value projection for every branch: the same module under each branch's name
             # (the selection's first, so parameter listings name each weight once, as the selection's), so
             # every reader of kv_proj["k_cmp"] etc. (decode, context parallel) gets the shared one.
-            k, v = nn.Linear(c.dim, H * Dk, bias=False), nn.Linear(c.dim, H * Dv, bias=False)
+            k, v = nn.Linear(c.dim, H * Dk, bias=c.qkv_bias), nn.Linear(c.dim, H * Dv, bias=c.qkv_bias)
             self.kv_proj = nn.ModuleDict({f"{kind}_{branch}": k if kind == "k" else v
                                           for branch in ("sel", "cmp", "win") for kind in ("k", "v")})
         else:
             self.kv_proj = nn.ModuleDict({
-                f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=False)
+                f"{kind}_{branch}": nn.Linear(c.dim, H * (Dk if kind == "k" else Dv), bias=c.qkv_bias)
                 for branch in ("cmp", "sel", "win") for kind in ("k", "v")
             })
         hidden = c.phi_hidden or None
@@ -219,7 +219,7 @@ class NSAAttention(nn.Module):
             self.gate = nn.Sequential(nn.Linear(c.dim, c.gate_hidden), nn.SiLU(), nn.Linear(c.gate_hidden, 3 * HQ))
         else:
             self.gate = nn.Linear(c.dim, 3 * HQ)
-        self.o_proj = nn.Linear(HQ * Dv, c.dim, bias=False)
+        self.o_proj = nn.Linear(HQ * Dv, c.dim, bias=c.o_bias)
         self.apply_init()
 
     def apply_init(self) -> None:

@@ -51,6 +51,8 @@ def test_base_config_is_valid():
     (dict(gate_bias=[0.0, float("nan"), 2.0]), "gate_bias"),
     (dict(gate_bias=2.0), "gate_bias"),
     (dict(shared_kv="yes"), "shared_kv"),
+    (dict(qkv_bias=1), "qkv_bias"),
+    (dict(o_bias="no"), "o_bias"),
     (dict(phi_init="zeros"), "phi_init"),
     (dict(phi_init="mean", phi_hidden=8), "phi_init"),   # the mean needs 2 * max(d_k, d_v) = 16 hidden units
 ])

@@ -115,6 +115,35 @@ def test_decode_in_a_longer_cache_and_after_reset():
             assert cache.length == T
 
 
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_projection_biases_reach_the_output_and_decode_equals_prefill(shared_kv):
+    """qkv_bias / o_bias (a converted Qwen2's or biased Llama's attention): every projection carries a bias that
+    changes the output, and the cached decode still equals prefill."""
+    layer = small_layer("mlp", qkv_bias=True, o_bias=True, shared_kv=shared_kv)
+    biases = {n for n, p in layer.named_parameters() if n.endswith(".bias") and "proj" in n}
+    want = {"q_proj.bias", "o_proj.bias"} | {f"kv_proj.{k}_{b}.bias" for k in "kv" for b in ("sel", "cmp", "win")}
+    assert biases == ({"q_proj.bias", "o_proj.bias", "kv_proj.k_sel.bias", "kv_proj.v_sel.bias"} if shared_kv else want)
+    B, T = 2, 45
+    x = torch.randn(B, T, 16, dtype=F64)
+    with torch.no_grad():
+        y = layer(x)
+        cache = layer.new_cache(B, max_len=T)
+        steps = torch.cat([layer(x[:, :20], cache)] + [layer(x[:, t:t + 1], cache) for t in range(20, T)], 1)
+        assert (steps - y).abs().max().item() <= TOL
+        for name in biases:
+            dict(layer.named_parameters())[name].add_(0.5)
+            assert (layer(x) - y).abs().max().item() > 1e-3, name
+            dict(layer.named_parameters())[name].sub_(0.5)
+
+
+def test_graph_decoder_refuses_input_projection_biases():
+    from nsa.decode import GraphDecoder
+
+    layer = small_layer("mlp", qkv_bias=True)
+    with pytest.raises(ValueError, match=r"^NSAConfig\.qkv_bias=True: GraphDecoder"):
+        GraphDecoder(layer, layer.new_cache(1, 16), backend="reference")
+
+
 def test_append_past_max_len_raises_and_leaves_the_cache_intact():
     layer = small_layer("mlp")
     B, T = 2, 20

@@ -26,7 +26,7 @@ def test_finds_the_readme_install_lines():
     assert fresh[0].line.startswith("python -m venv .venv") and "experiments.decode" in fresh[0].line
     assert fresh[0].args == fresh[1].args[:len(fresh[0].args)], "the CPU line is the Quickstart's install plus the index"
     extras = [ln for ln in lines if not ln.fresh]
-    assert sorted(ln.args for ln in extras) == [["-e", ".[cluster]"], ["-e", ".[peers]"]]
+    assert sorted(ln.args for ln in extras) == [["-e", ".[cluster]"], ["-e", ".[hf]"], ["-e", ".[peers]"]]
     assert not any("--no-index" in ln.args for ln in lines), "the offline wheelhouse line is not resolved"
 
 

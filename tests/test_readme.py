@@ -14,13 +14,25 @@ README_BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
 def test_the_docs_have_the_examples():
-    assert len(README_BLOCKS) == 1 and "NSAAttention" in README_BLOCKS[0]
+    assert len(README_BLOCKS) == 2 and "NSAAttention" in README_BLOCKS[0] and "hf.convert" in README_BLOCKS[1]
     assert len(BLOCKS) >= 3
     assert "NSAAttention" in BLOCKS[0] and "nsa_attention" in BLOCKS[1] and "GraphDecoder" in BLOCKS[2]
 
 
 def test_readme_example_runs():
     exec(compile(README_BLOCKS[0], "README.md block 0", "exec"), {})
+
+
+def test_readme_hf_example_runs(tmp_path, monkeypatch):
+    """The Hugging Face block (the [hf] extra, which CI installs): converted, generating, saved and loaded back."""
+    pytest.importorskip("transformers")
+    from nsa.integrations.hf import NSASelfAttention
+
+    monkeypatch.chdir(tmp_path)
+    ns = {}
+    exec(compile(README_BLOCKS[1], "README.md block 1", "exec"), ns)
+    assert ns["tokens"].shape == (1, 11) and (tmp_path / "nsa-llama" / "model.safetensors").exists()
+    assert isinstance(ns["model"].model.layers[1].self_attn, NSASelfAttention) and ns["model"].config.nsa["n_sel"] == 16
 
 
 @pytest.mark.parametrize("i", [0, 1])

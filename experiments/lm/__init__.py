@@ -2,6 +2,6 @@
 
 ``model`` (the model and its parameter counts), ``data`` (the retrieval task and the text corpus),
 ``probes`` (gate means, selection quality), ``checkpoint`` (atomic save, peek), ``config``
-(``TrainConfig``, ``RunConfig``), ``loop`` (``train``). Configured by ``conf/train.yaml`` and its groups ``lm``, ``attention``,
-``data``, ``train``.
+(``TrainConfig``, ``RunConfig``), ``loop`` (``train``), ``hf`` (``lm=hf``: a transformers model in the
+loop). Configured by ``conf/train.yaml`` and its groups ``lm``, ``attention``, ``data``, ``train``.
 """

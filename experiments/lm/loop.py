@@ -67,8 +67,11 @@ def build_model(cfg: RunConfig, device=None) -> LM:
     vocab = {task.vocab_size for _, task, _ in cfg.stages()}
     if len(vocab) > 1:
         raise ValueError(f"train.curriculum: its stages' vocabularies {sorted(vocab)} differ from the main stage's")
-    return LM(cfg.lm, vocab.pop(), cfg.attention, backend=cfg.backend, fallback=cfg.fallback,
-              streams=cfg.streams, selection=cfg.train.ablation.selection).to(device)
+    make = LM
+    if cfg.lm.hf is not None:  # lm=hf: a transformers model
+        from .hf import HFLM as make
+    return make(cfg.lm, vocab.pop(), cfg.attention, backend=cfg.backend, fallback=cfg.fallback,
+                streams=cfg.streams, selection=cfg.train.ablation.selection).to(device)
 
 
 def parameter_counts(cfg: RunConfig) -> dict[str, int]:

@@ -47,6 +47,7 @@ class LMConfig:
     mlp_hidden: int
     nsa: Mapping = field(default_factory=dict)
     name: str = ""
+    hf: Mapping | None = None  # lm=hf: {arch, path} of a transformers model of this shape (experiments/lm/hf.py)
 
     def __post_init__(self):
         for f in ("dim", "n_layers", "mlp_hidden"):
@@ -194,7 +195,7 @@ class LM(nn.Module):
 
 # Parameter kinds, by the module that owns them; ``attn_extra`` is what the dense layer lacks.
 def _kind(name: str) -> str:
-    if name.startswith("emb."):
+    if name.startswith("emb.") or ".embed_tokens." in name or ".lm_head." in name:  # lm=hf: transformers' names
         return "embedding"
     if ".mlp." in name:
         return "mlp"
