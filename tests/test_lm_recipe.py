@@ -171,3 +171,12 @@ def test_selection_kl_matches_for_a_layer_with_shared_kv_and_mean_pooling():
     x = torch.randn(1, 40, CFG.dim)
     rows = torch.tensor([[25, 38]])
     assert math.isclose(float(recipe.selection_kl(m, x, rows)), float(expected_kl(m, x, rows)), rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_lm_hf_refuses_the_selection_loss_in_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    p = subprocess.run([sys.executable, "-m", "experiments.train", "train=smoke", "lm=hf", "train.recipe.sel_loss=1",
+                        f"tracking.uri=sqlite:///{tmp_path}/m.db", f"hydra.run.dir={tmp_path}/run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "train.recipe.sel_loss=1: lm=hf does not take" in lines[0], p.stderr
