@@ -39,7 +39,7 @@ from typing import Mapping
 import torch
 
 from . import reference
-from ._compat import assume_constant_result
+from .compat import assume_constant_result
 
 BRANCHES = ("cmp", "sel", "win")
 

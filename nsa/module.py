@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional
-from ._compat import autocast_enabled
+from .compat import autocast_enabled
 from .config import NSAConfig
 from .varlen import as_varlen
 

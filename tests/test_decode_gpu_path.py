@@ -67,8 +67,8 @@ for mode, extra in (("two", {}), ("three", {}), ("three", {"sel_per": 2, "win_pe
 
 
 # The kernels a launch mode must not need: they raise if launched.
-NOT_LAUNCHED = {"four": (), "two": ("_dec_cmp_topk", "_dec_combine"),
-                "three": ("_dec_cmp_partial", "_dec_cmp_topk", "_dec_sv_partial", "_dec_combine")}
+NOT_LAUNCHED = {"four": (), "two": ("dec_cmp_topk", "dec_combine"),
+                "three": ("dec_cmp_partial", "dec_cmp_topk", "dec_sv_partial", "dec_combine")}
 
 
 def _refuse(monkeypatch, mode):

@@ -24,6 +24,7 @@ from nsa.dispatch import BRANCHES
 from nsa.toolchain import ToolchainError, check_toolchain
 
 from . import hardware
+from .errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
@@ -35,10 +36,6 @@ ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.
 # Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
 # nothing meaningful on a CPU, so these refuse one there (check_timed_device).
 TIMED = ("decode", "prefill", "kernels", "train")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; reported as one line, before any run starts (exit code 2)."""
 
 
 class ResourceLimit(RuntimeError):

@@ -104,7 +104,7 @@ def _hydra():
         return None
 
 
-def _remove_empty_output_dir(hc) -> None:
+def remove_empty_output_dir(hc) -> None:
     """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
     its own .hydra/ and the (empty) log file."""
     out, top = Path(hc.runtime.output_dir).absolute(), Path(hc.runtime.cwd).absolute()
@@ -165,7 +165,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     except ConfigError as e:
         if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
-                _remove_empty_output_dir(hc)
+                remove_empty_output_dir(hc)
             cli.config_exit(str(e))
         return _failed_validation(cfg, entry, launch_dir, parent, key, tags, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
@@ -182,7 +182,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     except tracking.StoreError as e:  # no run to record it on: a single run stops as before any run
         if parent is None:
             if hc:
-                _remove_empty_output_dir(hc)
+                remove_empty_output_dir(hc)
             cli.config_exit(f"{e}; no run was started")
         log.error(f"{head}: FAILED: {e}; no run was created")
         return None

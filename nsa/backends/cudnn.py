@@ -151,7 +151,7 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
     """``(o_cmp [B,T,HQ,Dv], indices [B,T,H,n_sel])``, as ``nsa.reference.compressed_branch`` for q_start = 0.
     ``attend(qf, kf, vf, scale) -> (out, lse)``: the folded causal attention (cuDNN; tests pass another)."""
     from .triton import tuning
-    from .triton.compressed import _forward, compressed_scores_op
+    from .triton.compressed import compressed_forward, compressed_scores_op
     from .triton.utils import Blocks, default_scale
 
     if q_start != 0:
@@ -167,7 +167,7 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
             idx = compressed_scores_op(q, k_cmp, v_cmp, lse, list(Blocks.of(config)), scale, int(nb),
                                        tuning.encode("compressed", tune))
         else:  # the stream hook between the scores and the top-n: eager
-            idx = _forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
+            idx = compressed_forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
                            tune=tune, lse_in=lse)[2]
     return o, idx
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._compat import block_mask_from_kv_blocks, no_eager_fallback, sdpa_gqa
+from ..compat import block_mask_from_kv_blocks, no_eager_fallback, sdpa_gqa
 from ..dispatch import Backend
 
 _FLEX = None
@@ -28,7 +28,7 @@ _MASKS: dict = {}
 _MAX_MASKS = 16
 
 
-def _flex_attention():
+def compiled_flex_attention():
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -123,7 +123,7 @@ def flex_window(q, k, v, w: int, scale: float, q_start: int, varlen=None):
     else:
         bm = document_window_mask(varlen, w, q.device)
     with no_eager_fallback(FLEX_RECOMPILE_LIMIT):
-        o = _flex_attention()(
+        o = compiled_flex_attention()(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),

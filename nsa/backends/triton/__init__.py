@@ -16,7 +16,7 @@ One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12)
 torch.compile: each forward and backward is a custom op (``nsa::compressed_fwd``, ``nsa::compressed_scores`` (the
 score-only pass the ``cudnn`` backend runs), ``nsa::window_fwd``,
 ``nsa::attention_bwd``, ``nsa::selection_fwd``, ``nsa::selection_bwd``, ``nsa::gate_fwd``, ``nsa::gate_bwd``;
-``nsa._compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
+``nsa.compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
 branch's ``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` traces a layer built on this backend,
 forward and backward, with one graph node per op. Their non-tensor arguments are ints, floats and strings:
 the config's block sizes (``utils.Blocks``) and the launch parameters read when the call is traced
@@ -45,7 +45,7 @@ def triton_unsupported() -> str | None:
     Triton < 3.0 (2.3): its language lacks ``tl.exp2``/``tl.log2`` and ``tl.dot(input_precision=)``,
     which the kernels use, and its interpreter returns raw numpy arrays from ``x[:, None]`` and lacks
     ``tl.minimum`` and atomics. The reference backend runs there."""
-    from ..._compat import triton_version
+    from ...compat import triton_version
 
     major, minor = triton_version()
     if (major, minor) < (3, 0):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ... import env
-from ..._compat import assume_constant_result, triton_version
+from ...compat import assume_constant_result, triton_version
 
 LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: exp(x) = exp2(x * log2(e))
 # Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and

@@ -1,0 +1,178 @@
+"""The house rules, read from the source with ``ast`` (nothing is imported): no module of nsa/,
+experiments/, scripts/ or hydra_plugins/ uses another module's private name (``from m import _x``,
+``m._x``, or a private module such as ``nsa._x`` from outside its package), and the modules of nsa/ and
+experiments/ import each other without cycles. Every import statement counts, also one inside a
+function: a deferred import hides a cycle from the interpreter, not from the reader."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("nsa", "experiments", "scripts", "hydra_plugins")
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def module_files(packages=PACKAGES, root: Path = REPO) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under ``packages``."""
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def absolute(module: str, path: Path, level: int, name: str | None) -> str:
+    """The absolute module a (possibly relative) ``from`` import names."""
+    if level == 0:
+        return name or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base.pop()
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for b in node.body for n in ast.walk(b)}
+    return out
+
+
+def imports(module: str, path: Path, mods: dict[str, Path]):
+    """(line, imported module, names taken from it) for every import of a module in ``mods``, at any
+    depth; ``from pkg import sub`` names the submodule ``pkg.sub``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, a.asname, ()
+        elif isinstance(node, ast.ImportFrom):
+            src = absolute(module, path, node.level, node.module)
+            rest = []
+            for a in node.names:
+                if f"{src}.{a.name}" in mods:
+                    yield node.lineno, f"{src}.{a.name}", a.asname or a.name, ()
+                else:
+                    rest.append(a.name)
+            if rest:
+                yield node.lineno, src, None, tuple(rest)
+
+
+def private_uses(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every use of another module's private name, as ``file:line: what``."""
+    ours = {m.split(".")[0] for m in mods}
+    found = []
+    for module, path in mods.items():
+        aliases = {}  # local name -> our module it is bound to
+        for line, target, alias, names in imports(module, path, mods):
+            if target.split(".")[0] not in ours:
+                continue
+            parts = target.split(".")
+            for i, part in enumerate(parts):
+                # a private module is private to its package: nsa._x may be imported within nsa only
+                if private(part) and not module.startswith(".".join(parts[:i]) + "."):
+                    found.append(f"{path.relative_to(root)}:{line}: imports the private module {target}")
+                    break
+            found += [f"{path.relative_to(root)}:{line}: from {target} import {n}" for n in names if private(n)]
+            if alias is not None and target in mods:
+                aliases[alias] = target
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != module):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def import_cycles(mods: dict[str, Path]) -> list[list[str]]:
+    """The import graph's cycles among ``mods``: one per strongly connected component of two or more
+    modules (or a module importing itself), as that component's sorted module names."""
+    graph = {m: set() for m in mods}
+    for module, path in mods.items():
+        for _, target, _, _ in imports(module, path, mods):
+            while target and target not in mods:  # from nsa.x import f: the module nsa.x
+                target = target.rpartition(".")[0]
+            if target:
+                graph[module].add(target)
+    # Tarjan's strongly connected components
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_private_name_crosses_a_module():
+    assert private_uses(module_files()) == []
+
+
+def test_no_import_cycles_in_nsa_and_experiments():
+    assert import_cycles(module_files(("nsa", "experiments"))) == []
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("files, want", [
+    ({"pkg/__init__.py": "", "pkg/a.py": "from .b import _x\n", "pkg/b.py": "_x = 1\n"},
+     ["pkg/a.py:1: from pkg.b import _x"]),
+    ({"pkg/__init__.py": "", "pkg/a.py": "def f():\n    from pkg import b\n    return b._x\n", "pkg/b.py": "_x = 1\n"},
+     ["pkg/a.py:3: pkg.b._x"]),
+    ({"pkg/__init__.py": "", "pkg/_c.py": "y = 1\n", "pkg/a.py": "from ._c import y\n",
+      "other/__init__.py": "", "other/d.py": "from pkg._c import y\n"},
+     ["other/d.py:1: imports the private module pkg._c"]),
+    ({"pkg/__init__.py": "", "pkg/a.py": "_x = 1\nprint(_x)\nimport os\nos._exit\n"}, []),
+])
+def test_private_uses_finds_each_form(tmp_path, files, want):
+    """The checker itself: each form of a cross-module private use is found, and nothing else."""
+    write(tmp_path, files)
+    packages = sorted({name.split("/")[0] for name in files})
+    assert private_uses(module_files(packages, tmp_path), tmp_path) == want
+
+
+def test_import_cycles_finds_a_deferred_cycle(tmp_path):
+    """A cycle closed by an import inside a function is still a cycle; a chain is not."""
+    write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from .b import f\n",
+                     "pkg/b.py": "def f():\n    from .a import g\n", "pkg/c.py": "from pkg import a\n"})
+    assert import_cycles(module_files(("pkg",), tmp_path)) == [["pkg.a", "pkg.b"]]
