@@ -72,7 +72,6 @@ def main() -> None:
                                                                 "torch.profiler): busy time vs the graph step")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     gen = torch.Generator(dev).manual_seed(0)
     rows = []
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
@@ -90,8 +89,7 @@ def main() -> None:
             for v in a.variants.split(";"):
                 name, _, kv = v.partition(":")
                 tune = {k: yaml.safe_load(x) for k, x in (e.split("=") for e in kv.split(",") if e)}
-                if tune.get("mode") != "one" or B * H * tune.get("splits", 1) <= n_sm:
-                    modes[name] = tune
+                modes[name] = tune
             ref_o = ref_i = None
             res = {}
             for name, tune in modes.items():

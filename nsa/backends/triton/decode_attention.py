@@ -709,16 +709,6 @@ class DecodeKernels:
             self.prologue = StepPrologue(c, B, device, dtype, pdl=p["pdl"], warps=p["warps"], prec=self.prec)
         if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
             self.sel_psum = torch.empty(BH * p["ns_sel"], p["TCS"], **f32)
-        if p["mode"] == "one":  # per program: scores and top-n; per group: the partials
-            NP, NS = BH * p["splits"], p["splits"]
-            self.op_scores = torch.empty(NP, G, p["TCS"], **f32)
-            self.op_psum = torch.empty(NP, p["TCS"], **f32)
-            self.op_idx = torch.empty(NP, c.n_sel, device=device, dtype=torch.int32)
-            self.op_m = torch.empty(BH, 2 * NS, p["BG"], **f32)
-            self.op_l = torch.empty(BH, 2 * NS, p["BG"], **f32)
-            self.op_acc = torch.empty(BH, 2 * NS, p["BG"], p["BDV"], **f32)
-            self.op_cacc = torch.empty(NP, p["BG"], p["BDV"], **f32)
-            self.op_sem = torch.zeros(BH, device=device, dtype=torch.int32)
 
     # ------------------------------------------------------------------------------------------
     def attend(self, q, gates, pos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, *, scale=None,
