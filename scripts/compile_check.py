@@ -28,17 +28,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from nsa import NSAConfig  # noqa: E402
-from nsa.backends.triton import attention_bwd, compressed, gate, rowdot, selection, tiles, topn  # noqa: E402
-from nsa.backends.triton import decode_attention as decode  # noqa: E402
-from nsa.backends.triton import tuning, window  # noqa: E402
-from nsa.backends.triton.utils import launch_options, p2  # noqa: E402
+from nsa import NSAConfig
+from nsa.backends.triton import attention_bwd, compressed, gate, rowdot, selection, tiles, topn
+from nsa.backends.triton import decode_attention as decode
+from nsa.backends.triton import tuning, window
+from nsa.backends.triton.utils import launch_options, p2
 
 
 def compile_one(fn, consts, ptrs, target, i64=(), floats=("scale_log2", "scale"), **opts):

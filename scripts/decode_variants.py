@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import torch
 import yaml
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments.measure.dense import dense_attention  # noqa: E402
-from experiments.measure.timing import graph_step, quantiles, repeated, time_ms  # noqa: E402
-from nsa import NSAConfig  # noqa: E402
-from nsa.backends.triton import tuning  # noqa: E402
-from nsa.backends.triton.decode_attention import DecodeKernels  # noqa: E402
-from nsa.numerics import rel_l2  # noqa: E402
+from experiments.measure.dense import dense_attention
+from experiments.measure.timing import graph_step, quantiles, repeated, time_ms
+from nsa import NSAConfig
+from nsa.backends.triton import tuning
+from nsa.backends.triton.decode_attention import DecodeKernels
+from nsa.numerics import rel_l2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,8 @@ function: a deferred import hides a cycle from the interpreter, not from the rea
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,39 @@ def test_import_cycles_finds_a_deferred_cycle(tmp_path):
     write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from .b import f\n",
                      "pkg/b.py": "def f():\n    from .a import g\n", "pkg/c.py": "from pkg import a\n"})
     assert import_cycles(module_files(("pkg",), tmp_path)) == [["pkg.a", "pkg.b"]]
+
+
+def path_edits(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every change to ``sys.path`` (a call of one of its methods, or an assignment to it)."""
+    found = []
+    for path in mods.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = node.func.value
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if target is not None and ast.unparse(target) == "sys.path":
+                found.append((str(path.relative_to(root)), node.lineno, ast.unparse(node)))
+    return [f"{f}:{line}: {what}" for f, line, what in sorted(found)]
+
+
+def test_no_module_edits_sys_path():
+    """Scripts import nsa and experiments as installed (pip install -e .), not through sys.path."""
+    assert path_edits(module_files()) == []
+    assert path_edits({"x": Path(__file__)}, REPO) == []  # this file's own mentions are strings only
+
+
+def test_path_edits_finds_insert_and_assignment(tmp_path):
+    write(tmp_path, {"pkg/a.py": "import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.modules.pop('z')\n"})
+    assert path_edits(module_files(("pkg",), tmp_path), tmp_path) == [
+        "pkg/a.py:2: sys.path.insert(0, 'x')", "pkg/a.py:3: sys.path += ['y']"]
+
+
+@pytest.mark.parametrize("script", ["check_install", "compile_check", "decode_step", "decode_variants"])
+def test_script_runs_from_elsewhere(script, tmp_path):
+    """Each script's usage line, from another directory: its imports resolve through the installed package."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: {script}.py")
