@@ -214,3 +214,13 @@ def test_script_runs_from_elsewhere(script, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"usage: {script}.py")
+
+
+@pytest.mark.parametrize("name", ["DTYPES", "flatten"])
+def test_defined_once(name):
+    """The dtype table and the config flattener have one definition each, which the others import."""
+    where = [m for m, path in module_files(("nsa", "experiments")).items()
+             for node in ast.parse(path.read_text()).body
+             if getattr(node, "name", None) == name
+             or isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)]
+    assert len(where) == 1, where

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 import nsa
 from nsa import dispatch, env
 from nsa.dispatch import BRANCHES
+from nsa.numerics import DTYPES
 from nsa.toolchain import ToolchainError, check_toolchain
 
 from . import hardware
@@ -28,7 +29,6 @@ from .errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).

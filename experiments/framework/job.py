@@ -36,6 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nsa import dispatch
 
+from ..nested import flatten
+
 from . import cli, parallel, tracking
 from .config import BRANCHES, ConfigError, Job, check_timed_device, error_text, one_line, prepare
 from .report import Charts, write_csv
@@ -132,7 +134,8 @@ def identity(job: Job) -> list[tuple[str, str | None]]:
 def describe(job: Job, choices: dict) -> tuple[dict, dict]:
     """(params, tags) of a job's run: the flattened resolved config and the config-group choices;
     the environment and what the validation decided."""
-    params = {**tracking.flatten(OmegaConf.to_container(job.cfg, resolve=True)), **choices}
+    flat = flatten(OmegaConf.to_container(job.cfg, resolve=True))
+    params = {**{k: str(v) for k, v in flat.items()}, **choices}
     tags = {**tracking.environment(job.dev), "entry": job.entry, "hardware_profile": job.profile.name,
             "hardware_selected": job.profile_note, "branch_force": job.branch, "seq": str(job.seq),
             "dtype": str(job.dtype).replace("torch.", ""), "policy_overrides": "; ".join(job.policy_notes) or "none",

@@ -15,7 +15,7 @@ from .ablations import Ablation
 from .data import make_task
 from .model import ATTENTION, LMConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
+TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 weights
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -133,8 +133,8 @@ class RunConfig:
     def __post_init__(self):
         if self.attention not in ATTENTION:
             raise ValueError(f"attention.kind={self.attention!r}: must be one of {ATTENTION}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {TRAIN_DTYPES}")
         check_int("seed", self.seed, 0)
         object.__setattr__(self, "backend", dispatch.resolve(self.backend))
         ref = [b for b in dispatch.BRANCHES if self.backend[b] == "reference"]
@@ -215,12 +215,3 @@ def build(cls, node: Mapping, prefix: str):
     return cls(**node)
 
 
-def flatten(d: Mapping, prefix="") -> dict:
-    """A nested mapping as one level of dotted keys: ``{"lm": {"d": 1}}`` -> ``{"lm.d": 1}``."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

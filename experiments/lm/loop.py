@@ -53,10 +53,12 @@ import torch
 import torch.nn.functional as F
 
 from nsa import NSAConfig, dispatch
+from nsa.numerics import DTYPES
 
 from ..measure.timing import profiled
+from ..nested import flatten
 from . import ablations, checkpoint, cost, probes
-from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
+from .config import RunConfig, TrainConfig, check_int
 from .data import IGNORE
 from .model import LM, count_parameters
 
