@@ -224,3 +224,38 @@ def test_defined_once(name):
              if getattr(node, "name", None) == name
              or isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)]
     assert len(where) == 1, where
+
+
+def jit_names(tree: ast.Module) -> set[str]:
+    """The module's functions decorated with ``triton.jit`` (or ``jit``)."""
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+            and any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in n.decorator_list)}
+
+
+def positional_launches(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every ``kernel[grid](...)`` launch of a Triton kernel (of any module here) with positional arguments."""
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
+    kernels = set().union(*(jit_names(t) for t in trees.values()))
+    found = []
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args:
+                name = node.func.value
+                name = name.attr if isinstance(name, ast.Attribute) else getattr(name, "id", None)
+                if name in kernels:
+                    found.append(f"{mods[m].relative_to(root)}:{node.lineno}: {name}, {len(node.args)} positional")
+    return sorted(found)
+
+
+def test_kernel_launches_pass_keywords():
+    """A launch names every argument (kernels take 25-50): a shifted argument cannot pass unseen."""
+    assert positional_launches(module_files()) == []
+
+
+def test_positional_launches_finds_them(tmp_path):
+    write(tmp_path, {"pkg/k.py": "import triton\n@triton.jit\ndef kern(A, n, B: tl.constexpr):\n    pass\n"
+                                 "def run(a):\n    kern[(1,)](A=a, n=1, B=2)\n    kern[(1,)](a, 1, B=2)\n"
+                                 "    table = {}\n    table['x'](a)\n",
+                     "pkg/u.py": "from . import k\ndef go(a):\n    k.kern[(2,)](a, n=1, B=2)\n"})
+    assert positional_launches(module_files(("pkg",), tmp_path), tmp_path) == [
+        "pkg/k.py:7: kern, 2 positional", "pkg/u.py:3: kern, 1 positional"]

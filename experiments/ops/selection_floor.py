@@ -65,10 +65,23 @@ def gather_sums(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, l_sel: int,
     ix = idx.flatten(0, 1)
     sk = torch.empty(B * T, H, meta["BLOCK_DK"], device=k.device, dtype=torch.float32)
     sv = torch.empty(B * T, H, meta["BLOCK_DV"], device=k.device, dtype=torch.float32)
-    _gather_kernel[(B * T, H)](kd, vd, ix, sk, sv, ix.stride(0), ix.stride(1), T, H, N_SEL=idx.shape[-1],
-                               L_SEL=l_sel, BLOCK_N=max(2, triton.next_power_of_2(idx.shape[-1])),
-                               num_warps=warps or tune["warps"], num_stages=stages or tune["stages"],
-                               **meta)
+    _gather_kernel[(B * T, H)](
+        KD=kd,
+        VD=vd,
+        IDX=ix,
+        SK=sk,
+        SV=sv,
+        si_n=ix.stride(0),
+        si_h=ix.stride(1),
+        T=T,
+        H=H,
+        N_SEL=idx.shape[-1],
+        L_SEL=l_sel,
+        BLOCK_N=max(2, triton.next_power_of_2(idx.shape[-1])),
+        num_warps=warps or tune["warps"],
+        num_stages=stages or tune["stages"],
+        **meta,
+    )
     return sk[..., :Dk].view(B, T, H, Dk), sv[..., :Dv].view(B, T, H, Dv)
 
 

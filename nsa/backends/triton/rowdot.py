@@ -35,7 +35,15 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n_rows = out.numel()
     if n_rows and D:
         row_dot_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-            a, b, out, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+            A=a,
+            B=b,
+            OUT=out,
+            n_rows=n_rows,
+            D=D,
+            BD=triton.next_power_of_2(D),
+            BLOCK_R=BLOCK_R,
+            num_warps=4,
+        )
     elif n_rows:
         out.zero_()
     return out
