@@ -158,6 +158,9 @@ class GraphDecoder:
 
     # ------------------------------------------------------------------------------------------
     def refresh_weights(self):
+        """Copy the layer's projection weights into the decoder's concatenated GEMM operands; call after
+        the module's weights change (a training step, ``load_state_dict``), before the next step.
+        """
         m, c = self.module, self.config
         names = ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"]
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v

@@ -259,3 +259,43 @@ def test_positional_launches_finds_them(tmp_path):
                      "pkg/u.py": "from . import k\ndef go(a):\n    k.kern[(2,)](a, n=1, B=2)\n"})
     assert positional_launches(module_files(("pkg",), tmp_path), tmp_path) == [
         "pkg/k.py:7: kern, 2 positional", "pkg/u.py:3: kern, 1 positional"]
+
+
+def missing_docs(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Public functions and methods (of public classes) without a docstring; a property's setter shares
+    its getter's."""
+    found = []
+
+    def visit(body, path, prefix=""):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not private(n.name) \
+                    and not n.name.startswith("__") \
+                    and not any(ast.unparse(d).endswith(".setter") for d in n.decorator_list) \
+                    and ast.get_docstring(n) is None:
+                found.append(f"{path.relative_to(root)}:{n.lineno}: {prefix}{n.name}")
+            if isinstance(n, ast.ClassDef) and not private(n.name):
+                visit(n.body, path, f"{prefix}{n.name}.")
+
+    for path in mods.values():
+        visit(ast.parse(path.read_text(), str(path)).body, path)
+    return sorted(found)
+
+
+def test_public_functions_of_nsa_have_docstrings():
+    assert missing_docs(module_files(("nsa",))) == []
+
+
+def test_backend_protocol_says_arguments_and_returns():
+    """Each method of nsa.dispatch.Backend, the contract every backend implements, documents both."""
+    tree = ast.parse((REPO / "nsa" / "dispatch.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend"]
+    methods = {n.name: ast.get_docstring(n) or "" for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert len(methods) == 8
+    assert [m for m, doc in methods.items() if "Arguments:" not in doc or "Returns:" not in doc] == []
+
+
+def test_missing_docs_finds_functions_and_methods(tmp_path):
+    write(tmp_path, {"pkg/a.py": 'def f():\n    pass\ndef g():\n    """Doc."""\ndef _h():\n    pass\n'
+                                 'class C:\n    def m(self):\n        pass\n    @property\n    def p(self):\n'
+                                 '        """Doc."""\n    @p.setter\n    def p(self, v):\n        pass\n'})
+    assert missing_docs(module_files(("pkg",), tmp_path), tmp_path) == ["pkg/a.py:1: f", "pkg/a.py:8: C.m"]

@@ -176,6 +176,9 @@ class CudnnBackend(Backend):
     name = "cudnn"
 
     def unavailable(self, branch, device, dtype):
+        """The compressed branch only, on a CUDA device in float16/bfloat16 with cuDNN 9+ and a triton
+        that runs the block scores and top-n. Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         if branch != "cmp":
             return CMP_ONLY.format(branch=branch)
         if device.type != "cuda":
@@ -191,9 +194,15 @@ class CudnnBackend(Backend):
         return triton_unsupported()  # the block scores and top-n are triton kernels
 
     def varlen_unavailable(self, branch, device, dtype):
+        """Always a reason: packed documents run on ``backend.cmp=triton``.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.varlen_unavailable`."""
         return "cudnn: packed documents (cu_seqlens) run on backend.cmp=triton"
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
+        """cuDNN's fused attention for o_cmp and its log-sum-exp, triton's kernels for the block scores and
+        the top-n (:func:`compressed_branch`); q_start = 0 only.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.compressed`.
+        """
         return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
                                  on_scored=on_scored)
 

@@ -29,6 +29,11 @@ _MAX_MASKS = 16
 
 
 def compiled_flex_attention():
+    """torch.compile'd ``flex_attention``, compiled on the first call and kept for the process.
+
+    Returns:
+        The compiled function (FlexAttention runs fused only compiled).
+    """
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -158,9 +163,13 @@ class SDPABackend(Backend):
 
     @property
     def impl(self) -> str:
+        """Returns: which kernel runs the window branch on each device, for the run's record."""
         return "sdpa:flex_attention (CUDA) / sdpa-band-mask (CPU)"
 
     def unavailable(self, branch, device, dtype):
+        """The window branch only: FlexAttention on CUDA (not float64), SDPA with a band mask on the CPU.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         if branch == "cmp":
             return (
                 "the compressed branch needs the Eq. 9 block scores from its own probabilities; "
@@ -187,6 +196,9 @@ class SDPABackend(Backend):
         return f"no {device.type} path (CUDA: FlexAttention; CPU: SDPA with a band mask)"
 
     def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        """FlexAttention with a band block mask on CUDA (:func:`flex_window`), SDPA with a dense band
+        mask on the CPU (:func:`sdpa_window`). Arguments and Returns: as :meth:`nsa.dispatch.Backend.window`.
+        """
         S = q_start + q.shape[1]
         k, v = k_win[:, :S], v_win[:, :S]
         if q.device.type == "cuda":

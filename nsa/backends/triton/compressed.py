@@ -350,6 +350,15 @@ class CompressedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None, varlen=None):
+        """Arguments:
+            ctx: autograd's context.
+            q, k, v: queries ``[B,Tq,HQ,Dk]``, compressed keys ``[B,Tc,H,Dk]`` and values ``[B,Tc,H,Dv]``.
+            config: the layer's NSAConfig; scale: the softmax scale; q_start: the first query's position.
+            n_blocks: the number of selection blocks; on_scored, varlen: as ``Backend.compressed``.
+
+        Returns:
+            ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel])`` (indices not differentiable).
+        """
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         tune = tuning.params("compressed", q.device)
         if on_scored is None and varlen is None:
@@ -366,6 +375,12 @@ class CompressedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _didx):
+        """Arguments:
+            ctx: autograd's context; do: the gradient of o_cmp; _didx: that of the indices (none).
+
+        Returns:
+            ``(dq, dk, dv)`` and None for every other input of :meth:`forward`.
+        """
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None, None, None

@@ -100,8 +100,16 @@ def dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_pos, sc_ptr, pm_ptr, 
                      LS: tl.constexpr, NSC_PAD: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr,
                      N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr, BLOCK_T: tl.constexpr,
                      TOPK: tl.constexpr, FUSE: tl.constexpr):
-    # FUSE: the last of a group's NSC programs to finish runs the top-n step (_cmp_topk) itself, so the
-    # step needs no launch of dec_cmp_topk; the arguments after PDL serve only it.
+    """Mode four's step 1 (the module docstring): grid (B*H, NSC); each program attends to its slice of
+    the visible compressed tokens for the G heads of its group, keeps the scores for step 2 and writes its
+    flash-decoding partial (m, l, acc).
+
+    Arguments:
+        The caches, workspaces and strides as :meth:`DecodeKernels.attend` passes them; the constexprs are
+        ``launch_params``'. FUSE (mode two): the last of a group's NSC programs to finish runs the top-n
+        step (_cmp_topk) itself, so the step needs no launch of dec_cmp_topk; the arguments after PDL
+        serve only it.
+    """
     pdl_enter(PDL)
     # SMALL_DOT: BLOCK_C is below the tl.dot minimum of the running triton (16 on triton 3.0, even
     # under the interpreter); the two products are then broadcast-multiply-sums in fp32.
@@ -180,6 +188,12 @@ def dec_cmp_topk(pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr
                   N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                   BG: tl.constexpr, BDV: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
                   BLOCK_T: tl.constexpr, TOPK: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
+    """Mode four's step 2 (the module docstring): grid (B*H,); merges the compressed partials into
+    o_cmp, turns the kept scores into the group's block scores (Eqs. 9-10) and writes the top-n (Eqs. 11-12).
+
+    Arguments:
+        The workspaces as :meth:`DecodeKernels.attend` passes them; the constexprs are ``launch_params``'.
+    """
     pdl_enter(PDL)
     _cmp_topk(tl.program_id(0).to(tl.int64), pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
               idx_ptr, TCS, H, G, DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, NB_PAD, BSEL, BLOCK_T, TOPK,

@@ -19,6 +19,12 @@ BLOCK_R = 32  # rows per program
 
 @triton.jit
 def row_dot_kernel(A, B, OUT, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program per BLOCK_R rows: ``OUT[r] = sum_d A[r, d] * B[r, d]`` in float32.
+
+    Arguments:
+        A, B: ``n_rows`` contiguous rows of D; OUT: float32 ``[n_rows]``; BD: D's power-of-2 tile;
+        BLOCK_R: rows per program.
+    """
     r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     a = tl.load(A + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + off, mask=mask, other=0.0).to(tl.float32)

@@ -89,6 +89,14 @@ def fwd_q_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The query-outer forward: grid (query rows, key/value heads); each program attends, for the G
+    query heads of its group, to the row's n_sel selected blocks (online softmax), writing o and lse
+    (base 2), or with GATED the gated sum of the three branches.
+
+    Arguments:
+        Tensors and strides as :func:`_forward` passes them (``s<x>_<dim>``: tensor x's stride along dim);
+        constexprs: the config's sizes, tiles from :func:`tile_meta`, ``TMA``: load keys through KD/VD.
+    """
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
@@ -182,6 +190,12 @@ def bwd_dq_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """The query-outer backward's dq: grid (query rows, key/value heads), dq of the row's G heads over its
+    selected blocks (the block-outer kernel writes dk and dv).
+
+    Arguments:
+        Tensors and strides as :func:`_backward` passes them; constexprs as :func:`fwd_q_kernel`.
+    """
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
@@ -266,6 +280,13 @@ def fwd_kv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """The block-outer forward: one program per plan item (a key/value block and the query rows that
+    selected it), writing per-slot partials (OPART, LPART) that :func:`combine_kernel` merges.
+
+    Arguments:
+        Tensors, the plan's tables and strides as :func:`_forward` passes them; ``part_row0``: the first row
+        of this chunk of partials; H, NB: key/value heads and selection blocks; constexprs: tile sizes.
+    """
     it = tl.program_id(0).to(tl.int64)
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
@@ -382,6 +403,12 @@ def bwd_kv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     WRITE_DQ: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """The block-outer backward: one program per plan item, accumulating dk and dv of its block (float32,
+    atomics) and, with WRITE_DQ, per-slot dq partials that :func:`dq_combine_kernel` sums.
+
+    Arguments:
+        Tensors, the plan's tables and strides as :func:`_backward` passes them; as :func:`fwd_kv_kernel`.
+    """
     it = tl.program_id(0).to(tl.int64)
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
@@ -546,6 +573,15 @@ def _part_rows(n_rows, row_bytes, tune):
 
 
 def tile_meta(Dk, Dv, l_sel, block_s):
+    """The query-outer kernels' key tiles.
+
+    Arguments:
+        Dk, Dv: head dims; l_sel: the selection block length; block_s: the tuned key tile.
+
+    Returns:
+        ``{BLOCK_S, N_SUB, BLOCK_DK, BLOCK_DV}``: the tile (at most l_sel, >= 16), tiles per block, and the
+        head dims' power-of-2 tiles (>= 16).
+    """
     BLOCK_S = min(block_s, p2(l_sel, 16))
     return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16))
 

@@ -95,6 +95,12 @@ class Blocks(NamedTuple):
 
     @classmethod
     def of(cls, config) -> "Blocks":
+        """Arguments:
+            config: an :class:`nsa.NSAConfig`.
+
+        Returns:
+            Its block geometry (l, d, l_sel, n_sel, w, n_init, n_local).
+        """
         return cls(config.l, config.d, config.l_sel, config.n_sel, config.w, config.n_init, config.n_local)
 
 

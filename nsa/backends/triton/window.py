@@ -147,6 +147,14 @@ class WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w, scale, q_start, varlen=None):
+        """Arguments:
+            ctx: autograd's context; q, k, v: ``[B,Tq,HQ,Dk]``, ``[B,S,H,Dk]``, ``[B,S,H,Dv]``.
+            w: the window; scale: the softmax scale; q_start: the first query's position; varlen: packed
+            documents or None.
+
+        Returns:
+            ``o_win [B,Tq,HQ,Dv]``.
+        """
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         tune = tuning.params("window", q.device)
         if varlen is None:
@@ -160,6 +168,12 @@ class WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """Arguments:
+            ctx: autograd's context; do: the gradient of o_win.
+
+        Returns:
+            ``(dq, dk, dv)`` and None for every other input of :meth:`forward`.
+        """
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None
