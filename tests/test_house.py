@@ -1,8 +1,17 @@
-"""The house rules, read from the source with ``ast`` (nothing is imported): no module of nsa/,
-experiments/, scripts/ or hydra_plugins/ uses another module's private name (``from m import _x``,
-``m._x``, or a private module such as ``nsa._x`` from outside its package), and the modules of nsa/ and
-experiments/ import each other without cycles. Every import statement counts, also one inside a
-function: a deferred import hides a cycle from the interpreter, not from the reader."""
+"""The house rules, read from the source with ``ast`` (nothing is imported), each checker also tested on
+a small tree of its own:
+
+* no module of nsa/, experiments/, scripts/ or hydra_plugins/ uses another module's private name
+  (``from m import _x``, ``m._x``, or a private module such as ``nsa._x`` from outside its package);
+* the modules of nsa/ and experiments/ import each other without cycles. Every import statement
+  counts, also one inside a function: a deferred import hides a cycle from the interpreter, not from
+  the reader;
+* no module edits ``sys.path`` (scripts import the installed package), and the scripts run from
+  another directory;
+* one definition of the dtype table and of the config flattener;
+* Triton kernels are launched with keyword arguments only;
+* every public function of nsa/ has a docstring, the Backend protocol's with Arguments and Returns.
+"""
 from __future__ import annotations
 
 import ast
