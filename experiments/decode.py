@@ -52,7 +52,7 @@ import torch
 from omegaconf import DictConfig
 
 from nsa import NSAAttention
-from nsa._compat import SDPA_ENABLE_GQA
+from nsa.compat import SDPA_ENABLE_GQA
 from nsa.backends.triton.utils import p2
 from nsa.decode import GraphDecoder, tokens_read
 from nsa.dispatch import BRANCHES
@@ -103,7 +103,7 @@ def memory_parts(job: Job) -> dict[str, float]:
       the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
       module path a float32 copy of the compressed cache (the reference's upcast);
     * ``dense``: the dense baseline's keys/values repeated to every query head, only where SDPA has no
-      ``enable_gqa`` (``nsa._compat.sdpa_gqa``; with it SDPA reads the grouped cache in place); with
+      ``enable_gqa`` (``nsa.compat.sdpa_gqa``; with it SDPA reads the grouped cache in place); with
       ``decode.ragged`` instead (``measure.dense.dense_attention_ragged``, nothing repeated) the key mask (B*S
       bools), its additive float form, and the scores and probabilities of the step where SDPA keeps them
       (its math path, float32 or float64: 2*B*HQ*S); the ragged step allocates nothing else beyond the uniform one

@@ -17,7 +17,7 @@ Launch parameters: ``tuning.<op>.<key>=<value>`` (the keys of ``nsa.backends.tri
 validated before anything starts, one line and exit 2 otherwise), applied with ``tuning.overrides``
 around the job; ``-m`` sweeps them. The run logs the table it used (``tuning_table.json``, tag
 ``tuning_table``). ``kernels.once=true`` makes one call of the op's kernels at ``seq`` (no check, no
-timing) for a profiler, e.g. ``ncu --launch-count 1 -k regex:_fwd_kernel python -m experiments.kernels
+timing) for a profiler, e.g. ``ncu --launch-count 1 -k regex:fwd_kernel python -m experiments.kernels
 op=compressed kernels.once=true``. On a CPU the ops run under ``TRITON_INTERPRET=1`` at tiny shapes
 (``model=tiny seq=64``), timed with a plain timer.
 """

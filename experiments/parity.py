@@ -39,10 +39,10 @@ log = logging.getLogger("experiments.parity")
 def estimate_bytes(job: Job) -> float:
     c, B, S = job.nsa, job.cfg.parity.batch, job.seq
     # Inputs, outputs and gradients in the reference dtype (at most fp64) and the dtype under test; the
-    # reference's gathers and scores live one query chunk at a time (nsa.reference._CHUNK_BYTES, a few
+    # reference's gathers and scores live one query chunk at a time (nsa.reference.CHUNK_BYTES, a few
     # of them alive at once in backward), so they add a constant, not a term in S.
     per_token = c.n_heads * (c.d_k + c.d_v) * 6 + c.n_kv_heads * (c.d_k + c.d_v) * 12
-    return float(B * S * per_token * 8 + 8 * reference._CHUNK_BYTES)
+    return float(B * S * per_token * 8 + 8 * reference.CHUNK_BYTES)
 
 
 def cp_estimate_bytes(job: Job) -> float:

@@ -101,7 +101,7 @@ def cp_work(job: Job) -> Result:
 
     def gather():  # the forward's communication alone: the six raw key/value tensors, as run() gathers them
         for t in leaves[1:7]:
-            cp._gather(t, g.group)
+            cp.gather_sequence(t, g.group)
 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -35,10 +35,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from nsa.numerics import DTYPES
+
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
 from .framework.config import one_line
 from .lm import checkpoint, selections
-from .lm.config import DTYPES, RunConfig
+from .lm.config import RunConfig
 from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
 

@@ -124,4 +124,5 @@ class NSAConfig:
         return self.n_cmp(S) + min(self.n_sel * self.l_sel, S) + min(self.w, S)
 
     def to_dict(self) -> dict:
+        """Returns: every field by name (``dataclasses.asdict``), e.g. to log or rebuild the config."""
         return asdict(self)

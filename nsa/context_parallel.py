@@ -88,7 +88,7 @@ def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(order, dim)
 
 
-def _gather(x: torch.Tensor, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """The whole sequence of ``x`` (this rank's part) from every rank, differentiable."""
     import torch.distributed.nn.functional as dist_fn
 
@@ -160,7 +160,7 @@ def nsa_attention(q, k_cmp_raw, v_cmp_raw, k_sel, v_sel, k_win, v_win, gates, co
             raise ValueError(f"q: expected batch 1 with cu_seqlens (documents packed along the token axis), "
                              f"got shape {tuple(q.shape)}")
         docs.check_total(N, f"the whole sequence (this rank's 2C={q.shape[1]} tokens x {world} ranks)")
-    full = {n: _gather(x, group) for n, x in (("kc", k_cmp_raw), ("vc", v_cmp_raw), ("ks", k_sel), ("vs", v_sel),
+    full = {n: gather_sequence(x, group) for n, x in (("kc", k_cmp_raw), ("vc", v_cmp_raw), ("ks", k_sel), ("vs", v_sel),
                                                ("kw", k_win), ("vw", v_win))}
     k_cmp = functional.compress(full["kc"], config, phi_k, cu_seqlens=docs)
     v_cmp = functional.compress(full["vc"], config, phi_v, cu_seqlens=docs)

@@ -1,6 +1,6 @@
 """GPU decode path of the NSA layer: one query per sequence per step, CUDA-graph capturable.
 
-    layer = NSAAttention(cfg).cuda().bfloat16()
+    layer = NSAAttention(cfg, backend="triton").cuda().bfloat16()
     cache = layer.new_cache(B, max_len)
     dec = GraphDecoder(layer, cache)        # takes the cache over (see below)
     dec.prefill(x_prompt)                   # the module's own cached forward fills the caches
@@ -101,11 +101,11 @@ def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:
 class GraphDecoder:
     """Decode state for one :class:`NSAAttention` and its :class:`NSACache` (see module docstring).
 
-    ``backend`` (a name or ``{branch: name}``, one backend for all three branches) provides the
-    decode kernels through ``nsa.dispatch``; ``n_sm`` sizes their split-KV grids (default: the
-    device's multiprocessor count). Launch parameters come from the backend's tuning at construction
-    (``nsa.backends.triton.tuning.overrides``). The decoder copies the layer's projection weights at
-    construction (``refresh_weights()`` after changing them). ``cache.length`` (``cache.lengths``
+    ``backend`` (default: the layer's own, ``module.backend``; a name or ``{branch: name}``, one backend
+    for all three branches) provides the decode kernels through ``nsa.dispatch``; ``n_sm`` sizes their
+    split-KV grids (default: the device's multiprocessor count). Launch parameters come from the
+    backend's tuning at construction (``nsa.backends.triton.tuning.overrides``). The decoder copies the
+    layer's projection weights at construction (``refresh_weights()`` after changing them). ``cache.length`` (``cache.lengths``
     for a ragged cache) stays the host mirror of the device positions ``_pos`` ``[B]`` int64.
     ``last`` holds the q ``[B,HQ,Dk]`` and gates ``[B,HQ,3]`` of the last step.
 
@@ -113,11 +113,14 @@ class GraphDecoder:
         module: the layer whose steps this decoder runs (its weights copied now).
         cache: the layer's cache, (B rows, max_len positions), on a CUDA device for the triton kernels;
             the decoder takes it over (its compressed buffers get one scratch row).
-        backend: one backend name for the three branches (or ``{branch: name}`` naming one backend).
+        backend: one backend name for the three branches (or ``{branch: name}`` naming one backend); None:
+            the layer's (``module.backend``), so that the layer decides its decode path as it does its
+            prefill. Name another only to decode elsewhere than the layer runs (e.g. the triton
+            kernels beside a reference layer that checks them).
         n_sm: multiprocessors the split-KV grids are sized for; None: the device's.
     """
 
-    def __init__(self, module: NSAAttention, cache: NSACache, *, backend="triton", n_sm: int | None = None):
+    def __init__(self, module: NSAAttention, cache: NSACache, *, backend=None, n_sm: int | None = None):
         c = self.config = module.config
         if c.qkv_bias:  # its projection GEMM concatenates the weights alone
             raise ValueError("NSAConfig.qkv_bias=True: GraphDecoder's step has no input-projection biases; decode "
@@ -125,7 +128,7 @@ class GraphDecoder:
         self.module, self.cache = module, cache
         ref = cache.k_sel
         self.B, self.max_len, self.device, self.dtype = cache.batch_size, cache.max_len, ref.device, ref.dtype
-        plan = dispatch.resolve(backend)
+        plan = dispatch.resolve(module.backend if backend is None else backend)
         chosen = {b: dispatch.choose(b, plan[b], self.device, self.dtype, None) for b in BRANCHES}
         be = chosen["cmp"]
         if any(x is not be for x in chosen.values()):
@@ -161,6 +164,9 @@ class GraphDecoder:
 
     # ------------------------------------------------------------------------------------------
     def refresh_weights(self):
+        """Copy the layer's projection weights into the decoder's concatenated GEMM operands; call after
+        the module's weights change (a training step, ``load_state_dict``), before the next step.
+        """
         m, c = self.module, self.config
         names = ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"]
         HQ, H, Dk, Dv = c.n_heads, c.n_kv_heads, c.d_k, c.d_v

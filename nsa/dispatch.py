@@ -39,7 +39,7 @@ from typing import Mapping
 import torch
 
 from . import reference
-from ._compat import assume_constant_result
+from .compat import assume_constant_result
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -54,18 +54,52 @@ class Backend:
     name = "reference"
 
     def unavailable(self, branch: str, device: torch.device, dtype: torch.dtype) -> str | None:
-        """None if this backend can run ``branch`` for tensors on device/dtype, else the reason."""
+        """Whether this backend can run a branch for tensors on ``device`` in ``dtype``.
+
+        Arguments:
+            branch: ``"cmp"``, ``"sel"`` or ``"win"``.
+            device: where the branch's tensors are.
+            dtype: the branch's input dtype.
+
+        Returns:
+            None if it can, else the reason in a few words (the dispatch puts it in
+            ``BackendUnavailable`` or in the fallback's record).
+        """
         return None
 
     def varlen_unavailable(self, branch: str, device: torch.device, dtype: torch.dtype) -> str | None:
-        """None if this backend can run ``branch`` on packed documents (``varlen``), else the reason
-        (asked after ``unavailable``)."""
+        """Whether this backend can run a branch on packed documents (``varlen``); asked after
+        :meth:`unavailable`.
+
+        Arguments:
+            branch: ``"cmp"``, ``"sel"`` or ``"win"``.
+            device: where the branch's tensors are.
+            dtype: the branch's input dtype.
+
+        Returns:
+            None if it can, else the reason.
+        """
         return None
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
-        """(o_cmp, top-n indices). ``on_scored()`` (optional, no arguments) is called once the block
-        scores are computed (queued, on a GPU) and before the top-n; a backend that cannot split the
-        two calls it at the end."""
+        """The compressed branch (Eqs. 5 and 7-12): attention over the compressed tokens, then the top-n
+        selection blocks from its scores (``nsa.reference.compressed_branch``).
+
+        Arguments:
+            q: queries ``[B,Tq,HQ,Dk]`` at positions ``q_start..q_start+Tq-1``.
+            k_cmp, v_cmp: compressed keys ``[B,Tc,H,Dk]`` and values ``[B,Tc,H,Dv]``.
+            config: the layer's :class:`nsa.NSAConfig` (block sizes, n_sel, forced blocks).
+            scale: the softmax scale.
+            q_start: the position of the first query row.
+            n_keys: the number of raw tokens S (None: q_start + Tq), which fixes the number of selection
+                blocks ceil(S / l_sel).
+            on_scored: None, or called with no arguments once the block scores are computed (queued, on a
+                GPU) and before the top-n; a backend that cannot split the two calls it at the end.
+            varlen: packed documents (:class:`nsa.varlen.Varlen`, B = 1) or None.
+
+        Returns:
+            ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel])``: the indices ascending, -1 padded.
+        """
         out = reference.compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
                                           varlen=varlen)
         if on_scored is not None:
@@ -73,28 +107,85 @@ class Backend:
         return out
 
     def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start, varlen=None):
+        """The selected branch (Eq. 5 over the blocks of Eq. 12): attention over the raw tokens at or
+        before each query in its group's selected blocks (``nsa.reference.selected_attention``).
+
+        Arguments:
+            q: queries ``[B,Tq,HQ,Dk]``.
+            k_sel, v_sel: the branch's raw keys ``[B,S,H,Dk]`` and values ``[B,S,H,Dv]``.
+            indices: the selected blocks ``[B,Tq,H,n_sel]`` (ascending, -1 entries ignored).
+            config: the layer's :class:`nsa.NSAConfig`.
+            scale: the softmax scale.
+            q_start: the position of the first query row.
+            varlen: packed documents or None (block j of a row covers its document's tokens
+                ``[j*l_sel, (j+1)*l_sel)``).
+
+        Returns:
+            ``o_sel [B,Tq,HQ,Dv]``.
+        """
         return reference.selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start,
                                             varlen=varlen)
 
     def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        """The sliding-window branch: attention over the ``config.w`` latest tokens up to each query
+        (``nsa.reference.sliding_window_attention``).
+
+        Arguments:
+            q: queries ``[B,Tq,HQ,Dk]``.
+            k_win, v_win: the branch's raw keys ``[B,S,H,Dk]`` and values ``[B,S,H,Dv]``.
+            config: the layer's :class:`nsa.NSAConfig` (``w``).
+            scale: the softmax scale.
+            q_start: the position of the first query row.
+            varlen: packed documents or None (the window stays inside the row's document).
+
+        Returns:
+            ``o_win [B,Tq,HQ,Dv]``.
+        """
         return reference.sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start,
                                                   varlen=varlen)
 
     def combine(self, o_cmp, o_sel, o_win, gates):
-        """Gated sum (paper Eq. 5): ``sum_c gates[..., c, None] * o_c``, gates ``[B,Tq,HQ,3]``."""
+        """The gated sum of the three branches (paper Eq. 5): ``sum_c gates[..., c, None] * o_c``.
+
+        Arguments:
+            o_cmp, o_sel, o_win: the branches' outputs ``[B,Tq,HQ,Dv]``.
+            gates: ``[B,Tq,HQ,3]``, in the order cmp, sel, win.
+
+        Returns:
+            ``o [B,Tq,HQ,Dv]``.
+        """
         g = gates.unsqueeze(-1)
         return g[..., 0, :] * o_cmp + g[..., 1, :] * o_sel + g[..., 2, :] * o_win
 
     def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start, varlen=None):
         """``combine(o_cmp, selected(...), o_win, gates)`` when no gradient is needed (the layer's forward
-        in prefill/inference); a backend may fuse the gated sum into its selected branch."""
+        in prefill/inference); a backend may fuse the gated sum into its selected branch.
+
+        Arguments:
+            q, k_sel, v_sel, indices, config, scale, q_start, varlen: as :meth:`selected`.
+            o_cmp, o_win: the other two branches' outputs ``[B,Tq,HQ,Dv]``.
+            gates: ``[B,Tq,HQ,3]``, as :meth:`combine`.
+
+        Returns:
+            ``o [B,Tq,HQ,Dv]``.
+        """
         o_sel = self.selected(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start, varlen=varlen)
         return self.combine(o_cmp, o_sel, o_win, gates)
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
-        """The kernels of one fused decode step for ``B`` sequences and caches of ``max_len`` tokens
-        (an object with ``attend``, see ``nsa.backends.triton.decode_attention.DecodeKernels``), or None where
-        this backend has none (the base class)."""
+        """The kernels of one fused decode step (``nsa.decode.GraphDecoder`` asks for them).
+
+        Arguments:
+            config: the layer's :class:`nsa.NSAConfig`.
+            B: sequences per step.
+            max_len: the caches' capacity in raw tokens.
+            device, dtype: the caches' device and dtype.
+            n_sm: multiprocessors to size the launches for (None: the device's).
+
+        Returns:
+            An object with ``attend`` (see ``nsa.backends.triton.decode_attention.DecodeKernels``) that owns
+            its workspaces, or None where this backend has none (the base class).
+        """
         return None
 
 
@@ -109,14 +200,33 @@ _LAZY: dict[str, str] = {
 
 
 def register(backend: Backend) -> None:
+    """Make a backend available by its name (``backend.name``; replaces one of the same name).
+
+    Arguments:
+        backend: a :class:`Backend` instance.
+    """
     _REGISTRY[backend.name] = backend
 
 
 def known_backends() -> tuple[str, ...]:
+    """The backend names :func:`get` accepts.
+
+    Returns:
+        The names registered, or registered on first use, sorted.
+    """
     return tuple(sorted(set(_REGISTRY) | set(_LAZY)))
 
 
 def get(name: str) -> Backend:
+    """The backend of a name, importing (and registering) it on first use.
+
+    Arguments:
+        name: one of :func:`known_backends`.
+
+    Returns:
+        The :class:`Backend`. Raises ValueError for an unknown name, ``BackendUnavailable`` where its
+        module cannot be imported, ``ToolchainError`` for ``triton`` on a known-bad torch/triton pair.
+    """
     if name not in _REGISTRY:
         if name not in _LAZY:
             raise ValueError(f"backend={name!r}: unknown backend; known: {', '.join(known_backends())}")
@@ -162,6 +272,11 @@ _WARNED: set[str] = set()
 
 @contextlib.contextmanager
 def record():
+    """A context in which every dispatch notes what ran.
+
+    Returns:
+        (as the ``with`` target) the :class:`Record`, filled in as branches run.
+    """
     rec = Record()
     token = _CURRENT.set(rec)
     try:

@@ -26,6 +26,9 @@ import os
 
 
 def triton_interpret() -> bool:
+    """Returns: whether ``TRITON_INTERPRET`` is set (to anything but empty or 0): Triton kernels then run
+    on the CPU through the interpreter.
+    """
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import functional
-from ._compat import autocast_enabled
+from .compat import autocast_enabled
 from .config import NSAConfig
 from .varlen import as_varlen
 
@@ -76,6 +76,13 @@ class PhiMLP(nn.Module):
         self.fc2.bias.zero_()
 
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:  # [B,Tc,H,l,D] -> [B,Tc,H,D]
+        """Arguments:
+            blocks: the raw tokens of each compression block ``[B,Tc,H,l,D]``.
+
+        Returns:
+            One compressed token per block ``[B,Tc,H,D]`` (paper Eq. 7's phi: an MLP over the block plus its
+            intra-block position embedding).
+        """
         return self.fc2(F.gelu(self.fc1((blocks + self.pe).flatten(-2))))
 
 
@@ -113,6 +120,7 @@ class NSACache:
 
     @property
     def batch_size(self) -> int:
+        """Returns: the number of sequences (rows) the cache holds."""
         return self.k_sel.shape[0]
 
     @property
@@ -149,6 +157,7 @@ class NSACache:
         return NSACache(*(getattr(self, f)[b:b + 1] for f in names), max_len=self.max_len, length=n)
 
     def reset(self) -> None:
+        """Empty every row (length 0), keeping the buffers."""
         self.length = 0
 
 

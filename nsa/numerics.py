@@ -1,10 +1,13 @@
 """How far a result is from its reference: the one relative-L2 error of the library, the experiments
-(kernel checks, parity, validation) and the tests, so that every tolerance means the same thing."""
+(kernel checks, parity, validation) and the tests, so that every tolerance means the same thing; and the
+floating-point dtypes by the names configurations give them."""
 from __future__ import annotations
 
 import math
 
 import torch
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from .config import NSAConfig
 
 # Bytes of float32 intermediates one query chunk may hold (scores, gathered keys).
-_CHUNK_BYTES = 1 << 28
+CHUNK_BYTES = 1 << 28
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,7 +32,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _chunks(Tq: int, per_query_bytes: int):
-    size = max(1, min(Tq, _CHUNK_BYTES // max(1, per_query_bytes)))
+    size = max(1, min(Tq, CHUNK_BYTES // max(1, per_query_bytes)))
     return [(c0, min(Tq, c0 + size)) for c0 in range(0, Tq, size)]
 
 

@@ -71,6 +71,12 @@ class BadRange:
     reason: str
 
     def matches(self, torch_v: Version, triton_v: Version) -> bool:
+        """Arguments:
+            torch_v, triton_v: (major, minor) versions.
+
+        Returns:
+            Whether the pair lies in this known-bad range.
+        """
         return (self.torch_min <= torch_v <= self.torch_max) and (self.triton_min <= triton_v <= self.triton_max)
 
 
@@ -129,6 +135,7 @@ def toolchain_id(torch_version: str, triton_version: str | None) -> str:
 
 
 def supported_ids() -> tuple[str, ...]:
+    """Returns: the toolchain ids (``torch2.13+triton3.7``, ...) of ``SUPPORTED_PAIRS``."""
     return tuple(f"torch{t}+triton{tr}" for t, tr in SUPPORTED_PAIRS)
 
 

@@ -67,6 +67,7 @@ class Varlen:
 
     @property
     def n_docs(self) -> int:
+        """Returns: the number of packed documents."""
         return len(self.lens)
 
     def check_total(self, n: int, name: str) -> None:

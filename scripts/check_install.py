@@ -32,10 +32,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from nsa.toolchain import supported_ids, toolchain_id
 
-from nsa.toolchain import supported_ids, toolchain_id  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Variables through which a machine's pip config adds indexes, wheel folders or constraints.

@@ -17,7 +17,7 @@ from nsa import NSAConfig, reference
 from nsa.numerics import rel_l2
 from nsa.backends import cudnn
 from nsa.backends.triton import tuning
-from nsa.backends.triton.compressed import _forward
+from nsa.backends.triton.compressed import compressed_forward
 from nsa.backends.triton.compressed import compressed_branch as triton_cmp
 
 
@@ -77,7 +77,7 @@ def times(cfg, T):
     _, lse = cudnn.attention(q, k, v, cfg, scale)
     tune = tuning.params("compressed", q.device)
     nb = cfg.n_blocks(T)
-    res["score_only"] = bench(lambda: _forward(q, k, v, cfg, scale=scale, q_start=0, n_blocks=nb, on_scored=None,
+    res["score_only"] = bench(lambda: compressed_forward(q, k, v, cfg, scale=scale, q_start=0, n_blocks=nb, on_scored=None,
                                                tune=tune, lse_in=lse))
     # the cuDNN op's own backward on the folded layout
     qf2, kf2, vf2 = (t.detach().clone().requires_grad_() for t in (qf, kf, vf))

@@ -28,17 +28,15 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from nsa import NSAConfig  # noqa: E402
-from nsa.backends.triton import attention_bwd, compressed, gate, rowdot, selection, tiles, topn  # noqa: E402
-from nsa.backends.triton import decode_attention as decode  # noqa: E402
-from nsa.backends.triton import tuning, window  # noqa: E402
-from nsa.backends.triton.utils import launch_options, p2  # noqa: E402
+from nsa import NSAConfig
+from nsa.backends.triton import attention_bwd, compressed, gate, rowdot, selection, tiles, topn
+from nsa.backends.triton import decode_attention as decode
+from nsa.backends.triton import tuning, window
+from nsa.backends.triton.utils import launch_options, p2
 
 
 def compile_one(fn, consts, ptrs, target, i64=(), floats=("scale_log2", "scale"), **opts):
@@ -133,67 +131,67 @@ def cases(dk, dv, arch=90):
     dkdv_io = dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK_=f32, DV_=f32)
     for varlen in (False, True):
         tag, c, p = (" varlen", dict(VARLEN=True), DOCS) if varlen else ("", ONE, {})
-        yield ("cmp fwd (scores)" + tag, compressed._fwd_kernel, dict(cmp_fwd, **c), dict(io, **p), (),
+        yield ("cmp fwd (scores)" + tag, compressed.fwd_kernel, dict(cmp_fwd, **c), dict(io, **p), (),
                launch_options(cmp_t))
-        yield ("win fwd" + tag, window._fwd_kernel, dict(win_fwd, **c), dict(io, **p), (), win_opts)
-        yield ("cmp bwd dq" + tag, attention_bwd._bwd_dq_kernel, dict(bwd, **c), dict(dq_io, **p), (), opts)
-        yield ("cmp bwd dk/dv" + tag, attention_bwd._bwd_dkdv_kernel, dict(bwd, **c), dict(dkdv_io, **p),
+        yield ("win fwd" + tag, window.fwd_kernel, dict(win_fwd, **c), dict(io, **p), (), win_opts)
+        yield ("cmp bwd dq" + tag, attention_bwd.bwd_dq_kernel, dict(bwd, **c), dict(dq_io, **p), (), opts)
+        yield ("cmp bwd dk/dv" + tag, attention_bwd.bwd_dkdv_kernel, dict(bwd, **c), dict(dkdv_io, **p),
                ("sdk_s", "sdv_s"), opts)
-        yield ("win bwd dq" + tag, attention_bwd._bwd_dq_kernel, dict(wbwd, **c), dict(dq_io, **p), (), opts)
-        yield ("win bwd dk/dv" + tag, attention_bwd._bwd_dkdv_kernel, dict(wbwd, **c), dict(dkdv_io, **p),
+        yield ("win bwd dq" + tag, attention_bwd.bwd_dq_kernel, dict(wbwd, **c), dict(dq_io, **p), (), opts)
+        yield ("win bwd dk/dv" + tag, attention_bwd.bwd_dkdv_kernel, dict(wbwd, **c), dict(dkdv_io, **p),
                ("sdk_s", "sdv_s"), opts)
     sel_t = tune["selection"]
     sel = dict(G=16, N_SEL=16, L_SEL=64, DK=dk, DV=dv, BLOCK_G=16, PREC="tf32",
-               **selection._meta(dk, dv, 64, sel_t["block_s"]))
+               **selection.tile_meta(dk, dv, 64, sel_t["block_s"]))
     sel_io = dict(Q=bf, K=bf, V=bf, IDX="*i32", O=bf, LSE=f32, ROW_SEQ="*i32", CU_Q="*i32", CU_K="*i32", OC=bf,
                   OW=bf, GT=bf)
     for gated in (False, True):
-        yield ("sel fwd" + (" gated" if gated else ""), selection._fwd_q_kernel,
+        yield ("sel fwd" + (" gated" if gated else ""), selection.fwd_q_kernel,
                dict(sel, GATED=gated, BLOCK_N=16, TMA=False), sel_io, (),
                dict(num_warps=sel_t["warps"], num_stages=sel_t["stages"]))
-    yield ("sel bwd dq", selection._bwd_dq_kernel, sel,
+    yield ("sel bwd dq", selection.bwd_dq_kernel, sel,
            dict(Q=bf, K=bf, V=bf, DO=bf, IDX="*i32", LSE=f32, DELTA=f32, DQ=bf, ROW_SEQ="*i32", CU_Q="*i32",
                 CU_K="*i32"), (), dict(num_warps=sel_t["dq_warps"] or sel_t["warps"],
                                        num_stages=sel_t["dq_stages"] or sel_t["stages"]))
     for G in (16, 4, 1):  # block-outer kernels at the group sizes the plans of BENCHMARKS.md use
-        GP, BQ = selection._block_q(G, max(dk, dv), sel_t["rows"] or (128 if G == 1 else 64))
+        GP, BQ = selection.block_q(G, max(dk, dv), sel_t["rows"] or (128 if G == 1 else 64))
         kv = dict(G=G, GP=GP, L_SEL=64, DK=dk, DV=dv, BLOCK_Q=BQ, BLOCK_L=64, BLOCK_DK=p2(dk, 16),
                   BLOCK_DV=p2(dv, 16), PREC="tf32", INTERP=False)
         ent = dict(ENT_ROW="*i32", ENT_SLOT="*i32", ITEM_KEY="*i64", ITEM_START="*i64", ITEM_END="*i64",
                    CU_Q="*i32", CU_K="*i32")
-        yield (f"sel fwd kv G{G}", selection._fwd_kv_kernel, kv, dict(Q=bf, K=bf, V=bf, OPART=bf, LPART=f32, **ent),
+        yield (f"sel fwd kv G{G}", selection.fwd_kv_kernel, kv, dict(Q=bf, K=bf, V=bf, OPART=bf, LPART=f32, **ent),
                (), dict(num_warps=sel_t["kv_warps"], num_stages=sel_t["kv_stages"] or (2 if G == 1 else 3)))
         for write_dq in (False, True):
-            bwd = selection._bwd_launch(sel_t, G, 2, write_dq)
-            GPb, BQb = selection._block_q(G, max(dk, dv), bwd["rows"])
-            yield (f"sel bwd kv G{G}" + (" dq" if write_dq else ""), selection._bwd_kv_kernel,
+            bwd = selection.bwd_launch(sel_t, G, 2, write_dq)
+            GPb, BQb = selection.block_q(G, max(dk, dv), bwd["rows"])
+            yield (f"sel bwd kv G{G}" + (" dq" if write_dq else ""), selection.bwd_kv_kernel,
                    dict(kv, GP=GPb, BLOCK_Q=BQb, WRITE_DQ=write_dq),
                    dict(Q=bf, K=bf, V=bf, DO=bf, LSE=f32, DELTA=f32, DK32=f32, DV32=f32, DQPART=bf if write_dq else f32,
                         **ent), (),
                    dict(num_warps=bwd["warps"], num_stages=bwd["stages"]))
     if dk == 128:
         for gated in (False, True):
-            yield ("sel combine" + (" gated" if gated else ""), selection._combine_kernel,
+            yield ("sel combine" + (" gated" if gated else ""), selection.combine_kernel,
                    dict(N_SEL=16, DV=dv, BLOCK_R=16, BLOCK_N=16, BLOCK_DV=p2(dv, 16), GATED=gated),
                    dict(OPART=bf, LPART=f32, O=bf, LSE=f32, OC=bf, OW=bf, GT=bf), (), dict(num_warps=4))
-    yield ("sel dq combine", selection._dq_combine_kernel,
+    yield ("sel dq combine", selection.dq_combine_kernel,
            dict(G=16, N_SEL=16, DK=dk, BLOCK_R=16, BLOCK_DK=p2(dk, 16)),
            dict(DQPART=bf, IDX="*i32", DQ=bf), (), dict(num_warps=4))
     if dk == 128:
         # the smallest, a middle and the 64k top-n bucket; packed documents: one bucket (16k documents: 256)
         for width, varlen in ((1, False), (64, False), (1024, False), (256, True)):
             rb = topn.topn_rows(width, 16, tune["topn"])
-            yield (f"top-n width {width}" + (" varlen" if varlen else ""), topn._topn_kernel,
+            yield (f"top-n width {width}" + (" varlen" if varlen else ""), topn.topn_kernel,
                    dict(H=4, NBP=width, N_SEL=16, NSP=16, N_INIT=1, N_LOCAL=2, L_SEL=64, RB=rb,
                         SEG=min(topn.TOPN_SEG, width), VARLEN=varlen, **({} if varlen else dict(POS=None))),
                    dict(SC=f32, IDX="*i64", **(dict(POS="*i32") if varlen else {})), ("ssc_b", "sidx_b"),
                    dict(num_warps=tune["topn"]["warps"]))
         g = dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=tune["gate"]["rows"])
         gw = dict(num_warps=tune["gate"]["warps"])
-        yield ("gated sum fwd", gate._gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), gw)
-        yield ("gated sum bwd", gate._gate_bwd_kernel, g,
+        yield ("gated sum fwd", gate.gate_fwd_kernel, g, dict(OC=bf, OS=bf, OW=bf, GT=bf, O=bf), (), gw)
+        yield ("gated sum bwd", gate.gate_bwd_kernel, g,
                dict(OC=bf, OS=bf, OW=bf, GT=bf, DO=bf, DOC=bf, DOS=bf, DOW=bf, DG=bf), (), gw)
-        yield ("row dot (delta)", rowdot._row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
+        yield ("row dot (delta)", rowdot.row_dot_kernel, dict(D=dv, BD=triton.next_power_of_2(dv), BLOCK_R=rowdot.BLOCK_R),
                dict(A=bf, B=bf, OUT=f32), (), dict(num_warps=4))
     yield from decode_cases(dk, dv, pdl=arch >= 90)
 
@@ -212,18 +210,18 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
         topk = dict(LS=cfg.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local,
                     NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"])
         for fuse in (False, True):  # tuning.decode.mode=two: the top-n (the combine) in the pass's last program
-            yield (f"dec cmp partial B{B}" + (" fused" if fuse else ""), decode._dec_cmp_partial,
+            yield (f"dec cmp partial B{B}" + (" fused" if fuse else ""), decode.dec_cmp_partial,
                    dict(common, DK=dk, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], BDK=p["BDK"], BLOCK_C=p["block_c"],
                         PREC="tf32", COUNT=False, SMALL_DOT=False, FUSE=fuse, **topk),
                    dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32,
                         pacc_ptr=f32, cnt_ptr=i32, psum_ptr=f32, ocmp_ptr=f32, idx_ptr=i32, sem_ptr=i32), (),
                    dict(num_warps=p["warps"], **launch), ("qk_scale",))
-        yield (f"dec cmp topk B{B}", decode._dec_cmp_topk,
+        yield (f"dec cmp topk B{B}", decode.dec_cmp_topk,
                dict(common, DV=dv, L=cfg.l, D=cfg.d, NSC=p["nsc"], DO_TOPK=True, **topk),
                dict(pos_ptr="*i64", sc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, psum_ptr=f32, ocmp_ptr=f32,
                     idx_ptr=i32), (), dict(num_warps=p["topk_warps"], **launch), ())
         for fuse in (False, True):
-            yield (f"dec sel/win B{B}" + (" fused" if fuse else ""), decode._dec_sv_partial,
+            yield (f"dec sel/win B{B}" + (" fused" if fuse else ""), decode.dec_sv_partial,
                    dict(common, DK=dk, DV=dv, LS=cfg.l_sel, W=cfg.w, N_SEL=cfg.n_sel, NS_SEL=p["ns_sel"],
                         SEL_PER=p["sel_per"], SEL_VEC=p["sel_vec"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
                         NWC=p["nwc"], SPLIT_OFF=0, BDK=p["BDK"], BLS=p["BLS"], BW=p["bw"], PREC="tf32", COUNT=False,
@@ -233,13 +231,13 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
                    dict(num_warps=p["warps"], **launch), ("qk_scale",))
         mode3 = dict(H=H, G=G, DK=dk, DV=dv, L=cfg.l, D=cfg.d, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"], PREC="tf32",
                      COUNT=False, PDL=pdl)
-        yield (f"dec three: cmp+win B{B}", decode._dec_cw_partial,
+        yield (f"dec three: cmp+win B{B}", decode.dec_cw_partial,
                dict(mode3, W=cfg.w, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"],
                     NWC=p["nwc"], BLOCK_C=p["block_c"], BW=p["bw"], SMALL_DOT=False),
                dict(q_ptr=bf, kc_ptr=bf, vc_ptr=bf, kw_ptr=bf, vw_ptr=bf, pos_ptr="*i64", sc_ptr=f32, cm_ptr=f32,
                     cl_ptr=f32, cacc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (),
                dict(num_warps=p["warps"], **launch), ("qk_scale",))
-        yield (f"dec three: sel+top-n B{B}", decode._dec_sel_topn,
+        yield (f"dec three: sel+top-n B{B}", decode.dec_sel_topn,
                dict(mode3, LS=cfg.l_sel, N_SEL=cfg.n_sel, N_INIT=cfg.n_init, N_LOCAL=cfg.n_local, NSC=p["nsc"],
                     NSC_PAD=p2(p["nsc"], 2), SEL_PER=p["sel_per"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"],
                     BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"]),
@@ -247,12 +245,12 @@ def decode_cases(dk, dv, n_sm=132, max_len=65536, pdl=True):
                     idx_ptr=i32,
                     pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, cnt_ptr=i32), (),
                dict(num_warps=p["sel_warps"], **launch), ("qk_scale",))
-        yield (f"dec three: combine B{B}", decode._dec_combine3,
+        yield (f"dec three: combine B{B}", decode.dec_combine3,
                dict(H=H, G=G, DV=dv, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"], BDV=p["BDV"],
                       BDVC=p["BDV"] // p["combine_split"], PDL=pdl),
                dict(cm_ptr=f32, cl_ptr=f32, cacc_ptr=f32, pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, g_ptr=bf, out_ptr=bf),
                (), dict(num_warps=p["warps"], **launch), ())
-        yield (f"dec combine B{B}", decode._dec_combine,
+        yield (f"dec combine B{B}", decode.dec_combine,
                dict(common, DV=dv, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP=True, HAS_SEL=True, HAS_WIN=True),
                dict(pm_ptr=f32, pl_ptr=f32, pacc_ptr=f32, ocmp_ptr=f32, g_ptr=bf, out_ptr=bf), (),
                dict(num_warps=p["warps"], **launch), ())

@@ -18,20 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from decode_variants import kernel_times, model
 
-from decode_variants import kernel_times, model  # noqa: E402
-
-from experiments.measure.dense import dense_attention  # noqa: E402
-from experiments.measure.timing import graph_ms, graph_step  # noqa: E402
-from nsa import NSAAttention  # noqa: E402
-from nsa.backends.triton import tuning  # noqa: E402
-from nsa.decode import GraphDecoder  # noqa: E402
-from nsa.numerics import rel_l2  # noqa: E402
+from experiments.measure.dense import dense_attention
+from experiments.measure.timing import graph_ms, graph_step
+from nsa import NSAAttention
+from nsa.backends.triton import tuning
+from nsa.decode import GraphDecoder
+from nsa.numerics import rel_l2
 
 CACHES = ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win")
 

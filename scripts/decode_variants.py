@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import torch
 import yaml
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from experiments.measure.dense import dense_attention  # noqa: E402
-from experiments.measure.timing import graph_step, quantiles, repeated, time_ms  # noqa: E402
-from nsa import NSAConfig  # noqa: E402
-from nsa.backends.triton import tuning  # noqa: E402
-from nsa.backends.triton.decode_attention import DecodeKernels  # noqa: E402
-from nsa.numerics import rel_l2  # noqa: E402
+from experiments.measure.dense import dense_attention
+from experiments.measure.timing import graph_step, quantiles, repeated, time_ms
+from nsa import NSAConfig
+from nsa.backends.triton import tuning
+from nsa.backends.triton.decode_attention import DecodeKernels
+from nsa.numerics import rel_l2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -72,7 +69,6 @@ def main() -> None:
                                                                 "torch.profiler): busy time vs the graph step")
     a = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
-    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     gen = torch.Generator(dev).manual_seed(0)
     rows = []
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
@@ -90,8 +86,7 @@ def main() -> None:
             for v in a.variants.split(";"):
                 name, _, kv = v.partition(":")
                 tune = {k: yaml.safe_load(x) for k, x in (e.split("=") for e in kv.split(",") if e)}
-                if tune.get("mode") != "one" or B * H * tune.get("splits", 1) <= n_sm:
-                    modes[name] = tune
+                modes[name] = tune
             ref_o = ref_i = None
             res = {}
             for name, tune in modes.items():

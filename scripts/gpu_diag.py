@@ -1,24 +1,26 @@
 """Diagnosis on a CUDA GPU, one part per call (BENCHMARKS.md, "Validation on the H200" cites its figures):
 
-    python3 scripts/gpu_diag.py sel       # the selected branch's gradients vs the reference, per dq path and
-                                          # head dim, with the worst dK rows (the Dk=192 dK fault)
-    python3 scripts/gpu_diag.py compile   # one cmp kernel check twice: compile time vs run time
-    python3 scripts/gpu_diag.py varlen    # the whole layer: 12 packed documents vs one sequence of 64k tokens
+    PYTHONPATH=tests python3 scripts/gpu_diag.py sel      # the selected branch's gradients vs the reference,
+                                                          # per dq path and head dim, with the worst dK rows
+                                                          # (the Dk=192 dK fault)
+    PYTHONPATH=tests python3 scripts/gpu_diag.py compile  # one cmp kernel check twice: compile vs run time
+    PYTHONPATH=tests python3 scripts/gpu_diag.py varlen   # the whole layer: 12 packed documents vs one
+                                                          # sequence of 64k tokens
 
-Run from the repository root (it imports tests/kernel_cases.py); STEPS=diag bash scripts/h200_session.sh.
+From the repository root with the project installed: it takes its cases from the test suite
+(tests/kernel_cases.py, which imports tests/conftest.py), hence tests/ on PYTHONPATH;
+STEPS=diag bash scripts/h200_session.sh runs all three.
 """
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import kernel_cases as kc  # noqa: E402
+import kernel_cases as kc  # tests/kernel_cases.py, on PYTHONPATH (see above)
 
-from nsa import NSAConfig, reference  # noqa: E402
-from nsa import functional as fn  # noqa: E402
-from nsa.backends.triton import tuning  # noqa: E402
+from nsa import NSAConfig, reference
+from nsa import functional as fn
+from nsa.backends.triton import tuning
 
 PAPER = (32, 16, 64, 16, 512)
 TOL = kc.Tol(out=5e-3, grad=8e-3, index=1e-3)

@@ -35,7 +35,7 @@ has train && step "${T_TRAIN:-570}" -m experiments.train hardware="$HW" train="$
 has groups && step "${T_GROUPS:-420}" -m experiments.prefill -m hardware="$HW" model=h200bench backend=triton "$TRK" \
     seq="${GROUP_SEQS:-16384,65536}" model.nsa.n_kv_heads=64,32,16,8,4 prefill.per_branch=false \
     prefill.dense_flash=false "prefill.peers=[]" model.timing.warmup=2 model.timing.repeats=8
-for part in sel compile varlen; do has diag && step "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
+for part in sel compile varlen; do has diag && PYTHONPATH=tests step "${T_DIAG:-150}" scripts/gpu_diag.py $part; done
 has parity && step "${T_PARITY:-100}" -m experiments.parity -m hardware="$HW" model=h200bench backend=triton "$TRK" seq="${PARITY_SEQS:-8192}" parity.batch=1
 tar czf "$OUT/runs.tgz" --exclude="*.pt" outputs multirun mlruns 2>/dev/null  # at most 8 files come back: one archive (no checkpoints)
 ls -la "$OUT"

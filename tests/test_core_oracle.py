@@ -254,7 +254,7 @@ def test_query_chunking_changes_nothing(monkeypatch, chunk_bytes):
     o_full = fn.nsa_attention(*(xs[a] for a in ARG_ORDER), cfg)
     g_full = torch.autograd.grad(o_full.square().sum(), [xs[a] for a in ARG_ORDER])
 
-    monkeypatch.setattr(nsa.reference, "_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(nsa.reference, "CHUNK_BYTES", chunk_bytes)
     spans = []
     real = nsa.reference._chunks
     monkeypatch.setattr(nsa.reference, "_chunks", lambda *a: spans.append(real(*a)) or spans[-1])

@@ -125,13 +125,13 @@ def test_attention_in_pieces_equals_one_call():
 
 def test_score_only_pass_matches_the_two_pass_kernel():
     """The triton kernel's SCORE_ONLY launch, given the lse its own pass 1 found, picks the same blocks."""
-    from nsa.backends.triton.compressed import _forward
+    from nsa.backends.triton.compressed import compressed_forward
 
     cfg, qs, q, k, v = cmp_inputs(CMP_CASES[8], torch.float32)
     nb = cfg.n_blocks(q.shape[1])
     tune = tuning.params("compressed", q.device)
-    o, lse, idx = _forward(q, k, v, cfg, scale=q.shape[-1] ** -0.5, q_start=0, n_blocks=nb, on_scored=None, tune=tune)
-    none, lse2, idx2 = _forward(q, k, v, cfg, scale=q.shape[-1] ** -0.5, q_start=0, n_blocks=nb, on_scored=None,
+    o, lse, idx = compressed_forward(q, k, v, cfg, scale=q.shape[-1] ** -0.5, q_start=0, n_blocks=nb, on_scored=None, tune=tune)
+    none, lse2, idx2 = compressed_forward(q, k, v, cfg, scale=q.shape[-1] ** -0.5, q_start=0, n_blocks=nb, on_scored=None,
                                 tune=tune, lse_in=lse.clone())
     assert none is None and torch.equal(lse2, lse)
     assert torch.equal(idx2, idx)

@@ -24,7 +24,7 @@ import torch
 
 from nsa import NSAAttention, NSAConfig, dispatch, env, reference
 from nsa.backends.triton import tuning
-from nsa.backends.triton.decode_attention import pdl_supported
+from nsa.backends.triton.pdl import pdl_supported
 from nsa.decode import GraphDecoder
 from nsa.numerics import rel_l2
 

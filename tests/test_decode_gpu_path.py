@@ -67,8 +67,8 @@ for mode, extra in (("two", {}), ("three", {}), ("three", {"sel_per": 2, "win_pe
 
 
 # The kernels a launch mode must not need: they raise if launched.
-NOT_LAUNCHED = {"four": (), "two": ("_dec_cmp_topk", "_dec_combine"),
-                "three": ("_dec_cmp_partial", "_dec_cmp_topk", "_dec_sv_partial", "_dec_combine")}
+NOT_LAUNCHED = {"four": (), "two": ("dec_cmp_topk", "dec_combine"),
+                "three": ("dec_cmp_partial", "dec_cmp_topk", "dec_sv_partial", "dec_combine")}
 
 
 def _refuse(monkeypatch, mode):
@@ -101,7 +101,7 @@ def test_decode_equals_reference_decode_and_prefill(B, HQ, H, Dk, Dv, P, steps, 
         y_prefill = m(x)
     cache, cref = m.new_cache(B, T), m.new_cache(B, T)
     with tuning.overrides({"decode": over_tuning}):
-        dec = GraphDecoder(m, cache)
+        dec = GraphDecoder(m, cache, backend="triton")
     p = dec.kernel_params()
     assert p["mode"] == over_tuning["mode"]
     assert p["nsc"] >= 2 and p["ns_sel"] >= 2 and p["topn"] == over_tuning["topn"]
@@ -139,7 +139,7 @@ def test_forced_branches_and_token_counts(tune):
     x = torch.randn(B, T, cfg.dim) * 2
     cache = m.new_cache(B, T)
     with tuning.overrides({"decode": {"block_c": 4, "nsc": 2, **tune}}):
-        dec = GraphDecoder(m, cache)
+        dec = GraphDecoder(m, cache, backend="triton")
     dec.prefill(x[:, :T - 1])
     t = T - 1
     y = dec.step(x[:, t:t + 1], count=True)
@@ -185,7 +185,7 @@ def test_decode_chunk_equals_prefill():
     with torch.no_grad():
         y_prefill = m(x)
     with tuning.overrides({"decode": {"nsc": 1}}):
-        dec = GraphDecoder(m, m.new_cache(1, 14))
+        dec = GraphDecoder(m, m.new_cache(1, 14), backend="triton")
     dec.prefill(x[:, :9])
     torch.testing.assert_close(dec.decode(x[:, 9:]), y_prefill[:, 9:], **TOL)
 
@@ -194,7 +194,7 @@ def test_step_guards():
     cfg = _cfg(4, 2, 16, 16)
     m = NSAAttention(cfg)
     cache = m.new_cache(1, 3)
-    dec = GraphDecoder(m, cache)
+    dec = GraphDecoder(m, cache, backend="triton")
     with pytest.raises(ValueError, match="expected"):
         dec.step(torch.randn(2, 1, cfg.dim))
     for _ in range(3):
@@ -211,7 +211,7 @@ def test_decoder_goes_through_the_dispatch():
     without decode kernels, mixed backends) is refused at construction, naming branch and reason."""
     cfg = _cfg(4, 2, 16, 16)
     m = NSAAttention(cfg).eval()
-    dec = GraphDecoder(m, m.new_cache(1, 4))
+    dec = GraphDecoder(m, m.new_cache(1, 4), backend="triton")
     with dispatch.record() as rec:
         dec.step(torch.randn(1, 1, cfg.dim))
     assert rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
@@ -219,7 +219,7 @@ def test_decoder_goes_through_the_dispatch():
         dec.attend(dec.last["q"], dec.last["gates"], position=0, branches=("win",))
     assert rec.ran == {"win": "triton"}
     with pytest.raises(dispatch.BackendUnavailable, match=r"branch 'cmp'.*interpreter.*bf16 tl.dot"):
-        GraphDecoder(m.bfloat16(), m.new_cache(1, 4))
+        GraphDecoder(m.bfloat16(), m.new_cache(1, 4), backend="triton")
     m.float()
     with pytest.raises(dispatch.BackendUnavailable, match="'reference' cannot run branches cmp, sel, win in GraphDecoder"):
         GraphDecoder(m, m.new_cache(1, 4), backend="reference")
@@ -227,13 +227,28 @@ def test_decoder_goes_through_the_dispatch():
         GraphDecoder(m, m.new_cache(1, 4), backend={"cmp": "triton", "sel": "triton", "win": "reference"})
 
 
+def test_decoder_takes_the_layers_backend():
+    """Without a backend argument the decoder runs the layer's own: one place decides the decode path.
+    A layer on triton decodes on triton; a layer on the reference (no decode kernels) is refused, not
+    switched to triton behind the caller's back."""
+    cfg = _cfg(4, 2, 16, 16)
+    m = NSAAttention(cfg, backend="triton").eval()
+    with dispatch.record() as rec:
+        GraphDecoder(m, m.new_cache(1, 4)).step(torch.randn(1, 1, cfg.dim))
+    assert rec.ran == {"cmp": "triton", "sel": "triton", "win": "triton"}
+    ref = NSAAttention(cfg).eval()
+    assert ref.backend == "reference"
+    with pytest.raises(dispatch.BackendUnavailable, match="'reference' cannot run branches cmp, sel, win in GraphDecoder"):
+        GraphDecoder(ref, ref.new_cache(1, 4))
+
+
 def test_programmatic_dependent_launch_is_off_in_the_interpreter_and_refused_where_unsupported():
     """``tuning.decode.pdl``: derived (None) on CUDA, False in the interpreter's table; True without an
     sm_90 GPU is a one-line error naming the key, not a silent serial launch."""
     m = NSAAttention(_cfg(4, 2, 16, 16)).eval()
-    assert GraphDecoder(m, m.new_cache(1, 32)).kernel_params()["pdl"] is False
+    assert GraphDecoder(m, m.new_cache(1, 32), backend="triton").kernel_params()["pdl"] is False
     with tuning.overrides({"decode": {"pdl": True}}), \
             pytest.raises(ValueError, match=r"^tuning.decode.pdl=True: programmatic dependent launch needs a CUDA GPU"):
-        GraphDecoder(m, m.new_cache(1, 32))
+        GraphDecoder(m, m.new_cache(1, 32), backend="triton")
     with pytest.raises(ValueError, match=r"tuning.decode.pdl='yes': must be true or false"):
         tuning.validate({"decode": {"pdl": "yes"}})

@@ -111,7 +111,7 @@ def run_config(*overrides) -> RunConfig:
 def test_gate_lr_puts_the_gates_in_their_own_groups():
     cfg = run_config("train.recipe.gate_lr=0.25")
     model = loop.build_model(cfg)
-    opt = loop._optimizer(model, cfg.train)
+    opt = loop.optimizer(model, cfg.train)
     gate = {id(p) for p in recipe.gate_parameters(model)}
     assert gate and len(gate) == 2 * 2 * cfg.lm.n_layers  # two Linear layers (weight, bias) a layer
     seen = [id(p) for g in opt.param_groups for p in g["params"]]
@@ -119,7 +119,7 @@ def test_gate_lr_puts_the_gates_in_their_own_groups():
     for g in opt.param_groups:
         assert g["lr_scale"] == (0.25 if {id(p) for p in g["params"]} <= gate else 1.0)
         assert not ({id(p) for p in g["params"]} & gate) or {id(p) for p in g["params"]} <= gate
-    plain = loop._optimizer(loop.build_model(run_config()), run_config().train)
+    plain = loop.optimizer(loop.build_model(run_config()), run_config().train)
     assert [g["lr_scale"] for g in plain.param_groups] == [1.0, 1.0]  # the plain method: AdamW as before
 
 

@@ -319,8 +319,8 @@ def test_triton_selected_branch(monkeypatch, mode, bad, kind, u):
     _, idx = reference.compressed_branch(q, x["k_cmp"], x["v_cmp"], cfg)
     k2, v2 = (spoil(k, u, bad), v) if kind == "k" else (k, spoil(v, u, bad))
     tune = {"mode": mode.split("-")[0], "tma": mode == "query-tma", "chunk_rows": 8}
-    kernel, seen = selection._fwd_q_kernel, []
-    monkeypatch.setattr(selection, "_fwd_q_kernel", _Spy(kernel, seen))
+    kernel, seen = selection.fwd_q_kernel, []
+    monkeypatch.setattr(selection, "fwd_q_kernel", _Spy(kernel, seen))
     with tb.poisoned_outputs(), tb.tuning.overrides({"selection": tune}):
         o0 = selection.selected_attention(q, k, v, idx, cfg)
         o1 = selection.selected_attention(q, k2, v2, idx, cfg)

@@ -99,7 +99,7 @@ def test_graph_decoder_sizes_its_kernels_by_the_cache_blocks():
     m = NSAAttention(c).eval()
     n = 14
     x = torch.randn(1, n, c.dim)
-    dec, cref = GraphDecoder(m, m.new_cache(1, n)), m.new_cache(1, n)
+    dec, cref = GraphDecoder(m, m.new_cache(1, n), backend="triton"), m.new_cache(1, n)
     assert dec._kernels.config.n_sel == c.n_blocks(n) == 2
     assert dec._kernels.indices.shape == (1, 2, 2)
     for t in range(n):

@@ -51,7 +51,7 @@ TUNINGS = {  # the first also decodes each sequence alone (the others equal the 
 
 def _decoder(m, cache, tune):
     with tuning.overrides({"decode": tune}):
-        return GraphDecoder(m, cache)
+        return GraphDecoder(m, cache, backend="triton")
 
 
 @pytest.mark.parametrize("tune", list(TUNINGS.values()), ids=list(TUNINGS))
@@ -122,7 +122,7 @@ def test_ragged_positions_on_the_host_and_the_device():
     x = torch.randn(1, sum(lens), cfg.dim)
     cache = m.new_cache(2, 11)
     with tuning.overrides({"decode": {"nsc": 1}}):
-        dec = GraphDecoder(m, cache)
+        dec = GraphDecoder(m, cache, backend="triton")
     dec.prefill(x, cu_seqlens=cu_of(lens))
     xs = torch.randn(2, 3, cfg.dim)
     dec.step(xs[:, :1])

@@ -127,13 +127,13 @@ def test_triton_backend_is_unavailable_below_triton_3(monkeypatch):
     """triton 2.x lacks what the kernels use: the backend says so instead of failing to compile."""
     import torch
 
-    import nsa._compat
+    import nsa.compat
     from nsa.backends.triton import BACKEND
 
-    monkeypatch.setattr(nsa._compat, "triton_version", lambda: (2, 3))
+    monkeypatch.setattr(nsa.compat, "triton_version", lambda: (2, 3))
     reason = BACKEND.unavailable("sel", torch.device("cuda"), torch.bfloat16)
     assert reason == "triton 2.3 cannot run these kernels (they need triton >= 3.0)"
-    monkeypatch.setattr(nsa._compat, "triton_version", lambda: (3, 0))
+    monkeypatch.setattr(nsa.compat, "triton_version", lambda: (3, 0))
     assert BACKEND.unavailable("sel", torch.device("cuda"), torch.bfloat16) is None
 
 

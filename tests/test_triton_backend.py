@@ -106,7 +106,7 @@ def test_an_override_reaches_the_launch(monkeypatch):
     cfg = make_config(HQ=4, H=2, Dk=16, Dv=16, l=8, d=4, l_sel=8, n_sel=3, w=8)
     x = random_inputs(cfg, B=1, T=40, dtype=torch.float32, requires_grad=True)
     seen = []
-    for mod, name in ((window, "_fwd_kernel"), (attention_bwd, "_bwd_dq_kernel")):
+    for mod, name in ((window, "fwd_kernel"), (attention_bwd, "bwd_dq_kernel")):
         real = getattr(mod, name)
 
         class Spy:
@@ -124,7 +124,7 @@ def test_capability_is_asked_once_per_device(monkeypatch):
     """The table key and the TMA and PDL checks share one capability query per device
     (``utils.capability``), which the launchers make on every call; a device without an index is the
     current one."""
-    from nsa.backends.triton import decode_attention, utils
+    from nsa.backends.triton import pdl, utils
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or {0: (9, 0), 1: (8, 9)}[i])
@@ -134,8 +134,8 @@ def test_capability_is_asked_once_per_device(monkeypatch):
     try:
         assert tuning.key(torch.device("cuda", 0)) == "cuda" and tuning.key(torch.device("cuda")) == "cuda"
         assert utils.capability(0) == (9, 0) and utils.capability(None) == (8, 9)
-        assert decode_attention.pdl_supported(torch.device("cuda", 1)) is False
-        assert decode_attention.pdl_supported(0) is decode_attention.HAS_GDC
+        assert pdl.pdl_supported(torch.device("cuda", 1)) is False
+        assert pdl.pdl_supported(0) is pdl.HAS_GDC
         x = torch.zeros(1, 8, 2, 16)
         assert utils.tma_ok(None, None, 2, 2, x)  # CPU tensors: the interpreter, no query
         assert sorted(asked) == [0, 1]

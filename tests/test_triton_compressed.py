@@ -240,13 +240,13 @@ def test_on_scored_runs_once_before_the_last_top_n(monkeypatch, chunked):
 
     cfg, qs, q, k, v = cmp_inputs(CMP_CASES[4], torch.float32, seed=7)
     log = []
-    real_fwd = compressed._fwd_kernel
+    real_fwd = compressed.fwd_kernel
 
     class Spy:  # records each launch of the attention/scoring kernel
         def __getitem__(self, grid):
             return lambda *a, **kw: log.append("kernel") or real_fwd[grid](*a, **kw)
 
-    monkeypatch.setattr(compressed, "_fwd_kernel", Spy())
+    monkeypatch.setattr(compressed, "fwd_kernel", Spy())
     monkeypatch.setattr(compressed, "topn_launch", lambda *a, **k: log.append("topn") or topn.topn_launch(*a, **k))
     # chunked: 16 rows of 20 blocks per chunk, 4 chunks
     with tuning.overrides({"compressed": {"score_buffer_bytes": 4 * 20 * 16 if chunked else 1 << 30}}):

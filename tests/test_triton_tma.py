@@ -83,9 +83,9 @@ def test_compressed_branch_same_through_descriptors(monkeypatch, G):
     n_cmp = cfg.n_cmp(T)
     xs = [torch.randn(B, T, H * G, Dk, generator=g) * 2, torch.randn(B, n_cmp, H, Dk, generator=g) * 2,
           torch.randn(B, n_cmp, H, Dv, generator=g)]
-    fwd = _spy(monkeypatch, compressed, "_fwd_kernel")
-    dq = _spy(monkeypatch, attention_bwd, "_bwd_dq_kernel")
-    dkdv = _spy(monkeypatch, attention_bwd, "_bwd_dkdv_kernel")
+    fwd = _spy(monkeypatch, compressed, "fwd_kernel")
+    dq = _spy(monkeypatch, attention_bwd, "bwd_dq_kernel")
+    dkdv = _spy(monkeypatch, attention_bwd, "bwd_dkdv_kernel")
     (on_out, on_grad), (off_out, off_grad) = _run_twice(
         lambda q, k, v: compressed.compressed_branch(q, k, v, cfg), xs, ("compressed", "attention_bwd"))
     assert fwd == [True, False] and dq == [True, False] and dkdv == [True, False]
@@ -104,7 +104,7 @@ def test_selection_forward_same_through_descriptors(monkeypatch):
     assert (idx < 0).any()
     xs = [torch.randn(B, T, HQ, Dk, generator=g), torch.randn(B, T, H, Dk, generator=g),
           torch.randn(B, T, H, Dv, generator=g)]
-    fwd = _spy(monkeypatch, selection, "_fwd_q_kernel")
+    fwd = _spy(monkeypatch, selection, "fwd_q_kernel")
     with tuning.overrides({"selection": {"mode": "query"}}):
         (on_out, on_grad), (off_out, off_grad) = _run_twice(
             lambda q, k, v: (selection.selected_attention(q, k, v, idx, cfg),), xs, ("selection",))
@@ -142,7 +142,7 @@ def test_stages_follow_the_load_path(monkeypatch, tma, dtype):
     q = torch.randn(1, 20, 4, 16, generator=g).to(dtype).requires_grad_(True)
     k, v = (torch.randn(1, cfg.n_cmp(20), 2, 16, generator=g).to(dtype).requires_grad_(True) for _ in range(2))
     seen = []
-    for mod, name in ((compressed, "_fwd_kernel"), (attention_bwd, "_bwd_dq_kernel"), (attention_bwd, "_bwd_dkdv_kernel")):
+    for mod, name in ((compressed, "fwd_kernel"), (attention_bwd, "bwd_dq_kernel"), (attention_bwd, "bwd_dkdv_kernel")):
         real = getattr(mod, name)
 
         class Spy:
@@ -155,4 +155,4 @@ def test_stages_follow_the_load_path(monkeypatch, tma, dtype):
         o, _ = compressed.compressed_branch(q, k, v, cfg)
         o.sum().backward()
     want = (tuning.STAGES_TMA if tma else tuning.STAGES_POINTERS) - (dtype == torch.float32)
-    assert seen == [(n, tma, want) for n in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")]
+    assert seen == [(n, tma, want) for n in ("fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel")]

@@ -21,13 +21,14 @@ from omegaconf.errors import OmegaConfBaseException
 import nsa
 from nsa import dispatch, env
 from nsa.dispatch import BRANCHES
+from nsa.numerics import DTYPES
 from nsa.toolchain import ToolchainError, check_toolchain
 
 from . import hardware
+from .errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
@@ -35,10 +36,6 @@ ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.
 # Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
 # nothing meaningful on a CPU, so these refuse one there (check_timed_device).
 TIMED = ("decode", "prefill", "kernels", "train")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; reported as one line, before any run starts (exit code 2)."""
 
 
 class ResourceLimit(RuntimeError):

@@ -36,6 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nsa import dispatch
 
+from ..nested import flatten
+
 from . import cli, parallel, tracking
 from .config import BRANCHES, ConfigError, Job, check_timed_device, error_text, one_line, prepare
 from .report import Charts, write_csv
@@ -109,7 +111,7 @@ def _hydra():
         return None
 
 
-def _remove_empty_output_dir(hc) -> None:
+def remove_empty_output_dir(hc) -> None:
     """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
     its own .hydra/ and the (empty) log file."""
     out, top = Path(hc.runtime.output_dir).absolute(), Path(hc.runtime.cwd).absolute()
@@ -137,7 +139,8 @@ def identity(job: Job) -> list[tuple[str, str | None]]:
 def describe(job: Job, choices: dict) -> tuple[dict, dict]:
     """(params, tags) of a job's run: the flattened resolved config and the config-group choices;
     the environment and what the validation decided."""
-    params = {**tracking.flatten(OmegaConf.to_container(job.cfg, resolve=True)), **choices}
+    flat = flatten(OmegaConf.to_container(job.cfg, resolve=True))
+    params = {**{k: str(v) for k, v in flat.items()}, **choices}
     tags = {**tracking.environment(job.dev), "entry": job.entry, "hardware_profile": job.profile.name,
             "hardware_selected": job.profile_note, "branch_force": job.branch, "seq": str(job.seq),
             "dtype": str(job.dtype).replace("torch.", ""), "policy_overrides": "; ".join(job.policy_notes) or "none",
@@ -170,7 +173,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     except ConfigError as e:
         if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
-                _remove_empty_output_dir(hc)
+                remove_empty_output_dir(hc)
             cli.config_exit(str(e))
         return _failed_validation(cfg, entry, launch_dir, parent, key, tags, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
@@ -187,7 +190,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     except tracking.StoreError as e:  # no run to record it on: a single run stops as before any run
         if parent is None:
             if hc:
-                _remove_empty_output_dir(hc)
+                remove_empty_output_dir(hc)
             cli.config_exit(f"{e}; no run was started")
         log.error(f"{head}: FAILED: {e}; no run was created")
         return None

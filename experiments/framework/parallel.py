@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ConfigError
+from .errors import ConfigError
 
 ENTRIES = ("parity", "prefill")  # the entry points with a context-parallel path
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets

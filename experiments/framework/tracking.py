@@ -281,16 +281,6 @@ def environment(dev: Device) -> dict:
             "device_driver": dev.driver or "none", "device_count": str(dev.count)}
 
 
-def flatten(d: Any, prefix: str = "") -> dict[str, str]:
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = str(d)
-    return out
-
-
 def log_batch(client, rid: str, metrics: dict[str, float] | None = None, step: int = 0,
               params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
     """Metrics (at ``step``), params and tags in as few store calls as MLflow allows."""

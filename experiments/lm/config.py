@@ -16,7 +16,7 @@ from .data import make_task
 from .model import ATTENTION, LMConfig
 from .recipe import Recipe
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # bfloat16: autocast over float32 weights
+TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 weights
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -156,8 +156,8 @@ class RunConfig:
     def __post_init__(self):
         if self.attention not in ATTENTION:
             raise ValueError(f"attention.kind={self.attention!r}: must be one of {ATTENTION}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {tuple(DTYPES)}")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: training runs in one of {TRAIN_DTYPES}")
         check_int("seed", self.seed, 0)
         object.__setattr__(self, "backend", dispatch.resolve(self.backend))
         ref = [b for b in dispatch.BRANCHES if self.backend[b] == "reference"]
@@ -248,12 +248,3 @@ def build(cls, node: Mapping, prefix: str):
     return cls(**node)
 
 
-def flatten(d: Mapping, prefix="") -> dict:
-    """A nested mapping as one level of dotted keys: ``{"lm": {"d": 1}}`` -> ``{"lm.d": 1}``."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

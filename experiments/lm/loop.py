@@ -53,10 +53,12 @@ import torch
 import torch.nn.functional as F
 
 from nsa import NSAConfig, dispatch
+from nsa.numerics import DTYPES
 
 from ..measure.timing import profiled
+from ..nested import flatten
 from . import ablations, checkpoint, cost, probes, recipe
-from .config import DTYPES, RunConfig, TrainConfig, check_int, flatten
+from .config import RunConfig, TrainConfig, check_int
 from .data import IGNORE
 from .model import LM, count_parameters
 
@@ -235,7 +237,7 @@ class _Window:
         return out
 
 
-def _optimizer(model, tc: TrainConfig):
+def optimizer(model, tc: TrainConfig):
     """AdamW; each group's ``lr_scale`` multiplies the schedule's learning rate (``train.recipe.gate_lr`` for
     the NSA gate MLPs, 1 for the rest)."""
     gate = {id(p) for p in recipe.gate_parameters(model)} if tc.recipe.gate_lr != 1 else set()
@@ -277,7 +279,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     torch.manual_seed(cfg.seed)
     stages = cfg.stages()
     model = build_model(cfg, device)
-    opt = _optimizer(model, tc)
+    opt = optimizer(model, tc)
     state = checkpoint.load(ckpt_dir, map_location=device)
     if state is not None:
         step, position = _resume(state, cfg, run_id, model, opt, device)

@@ -8,7 +8,7 @@ position embedding: every attention variant rotates its queries and keys (RoPE, 
 
 * ``nsa``: :class:`nsa.NSAAttention` (Yuan et al., arXiv 2502.11089), ``backend`` passed through.
 * ``dense``: causal grouped-query attention over all previous tokens, torch's
-  ``scaled_dot_product_attention`` (``nsa._compat.sdpa_gqa``), with NSA's heads and dims.
+  ``scaled_dot_product_attention`` (``nsa.compat.sdpa_gqa``), with NSA's heads and dims.
 * ``window``: the same projections, attending only to the last ``w`` tokens (NSA's window branch
   alone, ``nsa.functional.sliding_window_attention`` on ``backend``'s ``win`` backend).
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, functional
-from nsa._compat import sdpa_gqa
+from nsa.compat import sdpa_gqa
 from nsa.module import rope
 
 from . import ablations, recipe

@@ -7,7 +7,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from nsa._compat import sdpa_gqa
+from nsa.compat import sdpa_gqa
 
 
 

@@ -72,11 +72,11 @@ def flex(b: Bench, T: int):
     """o_cmp on FlexAttention: query t sees compressed token j when its block ends at or before t."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from nsa.backends.sdpa import _flex_attention
+    from nsa.backends.sdpa import compiled_flex_attention
 
     c = b.c
     bm = create_block_mask(lambda _b, _h, qi, ki: ki * c.d + c.l - 1 <= qi, None, None, T, c.n_cmp(T), device=b.dev)
-    run = _flex_attention()
+    run = compiled_flex_attention()
     return lambda q, k, v: run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
                                enable_gqa=True).transpose(1, 2)
 

@@ -37,7 +37,7 @@ def check(b: Bench) -> None:
     m = NSAAttention(c).to(b.dev, b.dt).eval()  # backend "reference": the module's cached forward is the reference
     x = b.randn(B, P + steps, c.dim)
     cache, ref_cache = m.new_cache(B, P + steps, b.dev, b.dt), m.new_cache(B, P + steps, b.dev, b.dt)
-    dec = GraphDecoder(m, cache)
+    dec = GraphDecoder(m, cache, backend="triton")  # the kernels under test, beside the reference layer
     ys, refs = [], []
     with torch.no_grad():
         dec.prefill(x[:, :P])

@@ -15,7 +15,7 @@ op=compressed), selected and window keys/values ``[B,T,H,*]``, gates ``[B,T,HQ,3
 
 Each row's output is compared with the first's (``rel_diff_vs_first``: rounding only). The second
 stream exists on CUDA only (and from ``nsa.functional.STREAM_MIN_QUERIES`` queries). ``once``: the
-default path with streams off, one call (``ncu -k 'regex:_fwd_q_kernel|_fwd_kernel|_topn_kernel'``).
+default path with streams off, one call (``ncu -k 'regex:fwd_q_kernel|fwd_kernel|topn_kernel'``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The memory floor of the query-outer selected-attention forward: its key/value loads and nothing else.
 
-``_fwd_q_kernel`` (nsa/backends/triton/selection.py) runs one program per (query row, key/value head) and
+``fwd_q_kernel`` (nsa/backends/triton/selection.py) runs one program per (query row, key/value head) and
 loads the whole l_sel-token blocks the row selected, through the same TMA descriptors, in the same grid
 order; this kernel issues exactly those loads and reduces each tile to a column sum (so that no load is
 dead code), with no scores, softmax or p @ v. Its time is the gather bound of that design on this card:
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from nsa.backends.triton import tuning
-from nsa.backends.triton.selection import _kv_descriptors, _meta, _sel_tile
+from nsa.backends.triton.selection import kv_descriptors, tile_meta, sel_tile
 
 
 @triton.jit
@@ -35,8 +35,8 @@ def _gather_kernel(KD, VD, IDX, SK, SV, si_n, si_h, T, H,
         sb = i % N_SUB
         j = tl.load(IDX + r * si_n + h * si_h + s).to(tl.int64)
         row = tl.where(j >= 0, k0 + j * L_SEL + sb * BLOCK_S, -BLOCK_S)  # -1: rows outside the tensor, zeros
-        sk += tl.sum(_sel_tile(KD, row, h, BLOCK_S, BLOCK_DK).to(tl.float32), 0)
-        sv += tl.sum(_sel_tile(VD, row, h, BLOCK_S, BLOCK_DV).to(tl.float32), 0)
+        sk += tl.sum(sel_tile(KD, row, h, BLOCK_S, BLOCK_DK).to(tl.float32), 0)
+        sv += tl.sum(sel_tile(VD, row, h, BLOCK_S, BLOCK_DV).to(tl.float32), 0)
     tl.store(SK + (r * H + h) * BLOCK_DK + tl.arange(0, BLOCK_DK), sk)
     tl.store(SV + (r * H + h) * BLOCK_DV + tl.arange(0, BLOCK_DV), sv)
 
@@ -44,7 +44,7 @@ def _gather_kernel(KD, VD, IDX, SK, SV, si_n, si_h, T, H,
 def unavailable(k: torch.Tensor, v: torch.Tensor, l_sel: int) -> str | None:
     """Why the floor cannot run on these keys (it loads through the forward's TMA descriptors only)."""
     tune = tuning.params("selection", k.device)
-    if _kv_descriptors(tune, k.flatten(0, 1), v.flatten(0, 1), l_sel)[0] is None:
+    if kv_descriptors(tune, k.flatten(0, 1), v.flatten(0, 1), l_sel)[0] is None:
         return "the query-outer forward loads through pointers here (no TMA descriptors): no floor of its design"
     return None
 
@@ -58,17 +58,30 @@ def gather_sums(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, l_sel: int,
     Dv = v.shape[-1]
     tune = tuning.params("selection", k.device)
     kf, vf = k.flatten(0, 1), v.flatten(0, 1)
-    kd, vd = _kv_descriptors(tune, kf, vf, l_sel)
+    kd, vd = kv_descriptors(tune, kf, vf, l_sel)
     if kd is None:
         raise ValueError("gather_sums: these keys have no TMA descriptors (see unavailable())")
-    meta = _meta(Dk, Dv, l_sel, tune["block_s"])
+    meta = tile_meta(Dk, Dv, l_sel, tune["block_s"])
     ix = idx.flatten(0, 1)
     sk = torch.empty(B * T, H, meta["BLOCK_DK"], device=k.device, dtype=torch.float32)
     sv = torch.empty(B * T, H, meta["BLOCK_DV"], device=k.device, dtype=torch.float32)
-    _gather_kernel[(B * T, H)](kd, vd, ix, sk, sv, ix.stride(0), ix.stride(1), T, H, N_SEL=idx.shape[-1],
-                               L_SEL=l_sel, BLOCK_N=max(2, triton.next_power_of_2(idx.shape[-1])),
-                               num_warps=warps or tune["warps"], num_stages=stages or tune["stages"],
-                               **meta)
+    _gather_kernel[(B * T, H)](
+        KD=kd,
+        VD=vd,
+        IDX=ix,
+        SK=sk,
+        SV=sv,
+        si_n=ix.stride(0),
+        si_h=ix.stride(1),
+        T=T,
+        H=H,
+        N_SEL=idx.shape[-1],
+        L_SEL=l_sel,
+        BLOCK_N=max(2, triton.next_power_of_2(idx.shape[-1])),
+        num_warps=warps or tune["warps"],
+        num_stages=stages or tune["stages"],
+        **meta,
+    )
     return sk[..., :Dk].view(B, T, H, Dk), sv[..., :Dv].view(B, T, H, Dv)
 
 

@@ -24,7 +24,7 @@ from nsa import dispatch
 
 from ..framework import cli, hardware, tracking
 from ..framework.config import CONF_DIR, ConfigError, one_line, prepare
-from ..framework.job import _remove_empty_output_dir as remove_empty_output_dir
+from ..framework.job import remove_empty_output_dir
 from ..framework.job import describe
 from ..framework.report import write_csv
 from . import decode_breakdown, determinism, environment, faults, kernels, prefill, report, thresholds, train

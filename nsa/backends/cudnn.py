@@ -151,7 +151,7 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
     """``(o_cmp [B,T,HQ,Dv], indices [B,T,H,n_sel])``, as ``nsa.reference.compressed_branch`` for q_start = 0.
     ``attend(qf, kf, vf, scale) -> (out, lse)``: the folded causal attention (cuDNN; tests pass another)."""
     from .triton import tuning
-    from .triton.compressed import _forward, compressed_scores_op
+    from .triton.compressed import compressed_forward, compressed_scores_op
     from .triton.utils import Blocks, default_scale
 
     if q_start != 0:
@@ -167,7 +167,7 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
             idx = compressed_scores_op(q, k_cmp, v_cmp, lse, list(Blocks.of(config)), scale, int(nb),
                                        tuning.encode("compressed", tune))
         else:  # the stream hook between the scores and the top-n: eager
-            idx = _forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
+            idx = compressed_forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
                            tune=tune, lse_in=lse)[2]
     return o, idx
 
@@ -176,6 +176,9 @@ class CudnnBackend(Backend):
     name = "cudnn"
 
     def unavailable(self, branch, device, dtype):
+        """The compressed branch only, on a CUDA device in float16/bfloat16 with cuDNN 9+ and a triton
+        that runs the block scores and top-n. Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         if branch != "cmp":
             return CMP_ONLY.format(branch=branch)
         if device.type != "cuda":
@@ -191,9 +194,15 @@ class CudnnBackend(Backend):
         return triton_unsupported()  # the block scores and top-n are triton kernels
 
     def varlen_unavailable(self, branch, device, dtype):
+        """Always a reason: packed documents run on ``backend.cmp=triton``.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.varlen_unavailable`."""
         return "cudnn: packed documents (cu_seqlens) run on backend.cmp=triton"
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
+        """cuDNN's fused attention for o_cmp and its log-sum-exp, triton's kernels for the block scores and
+        the top-n (:func:`compressed_branch`); q_start = 0 only.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.compressed`.
+        """
         return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
                                  on_scored=on_scored)
 

@@ -108,6 +108,9 @@ class FA2Backend(Backend):
     impl = _IMPL
 
     def unavailable(self, branch, device, dtype):
+        """The window branch only, on CUDA in float16/bfloat16, with flash-attn or PyTorch's
+        FlashAttention kernel. Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         if branch == "cmp":
             return (
                 "the compressed branch needs the Eq. 9 block scores from its own probabilities, which "
@@ -128,11 +131,17 @@ class FA2Backend(Backend):
         return None
 
     def varlen_unavailable(self, branch, device, dtype):
+        """A reason where neither flash-attn's nor PyTorch's varlen FlashAttention is there.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.varlen_unavailable`.
+        """
         if _flash_attn_varlen_func is None and _TORCH_VARLEN is None:
             return f"packed documents need flash-attn's flash_attn_varlen_func, which is not installed, or {_NO_TORCH_VARLEN}"
         return None
 
     def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        """FlashAttention-2 with a (w-1, 0) window over the keys the queries can reach, head dims padded to a
+        multiple of 8 (at most 256, else ``BackendUnavailable``). Arguments and Returns: as :meth:`nsa.dispatch.Backend.window`.
+        """
         Tq, Dk = q.shape[1], q.shape[3]
         Dv = v_win.shape[-1]
         S = q_start + Tq

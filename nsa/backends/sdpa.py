@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._compat import block_mask_from_kv_blocks, no_eager_fallback, sdpa_gqa
+from ..compat import block_mask_from_kv_blocks, no_eager_fallback, sdpa_gqa
 from ..dispatch import Backend
 
 _FLEX = None
@@ -28,7 +28,12 @@ _MASKS: dict = {}
 _MAX_MASKS = 16
 
 
-def _flex_attention():
+def compiled_flex_attention():
+    """torch.compile'd ``flex_attention``, compiled on the first call and kept for the process.
+
+    Returns:
+        The compiled function (FlexAttention runs fused only compiled).
+    """
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -123,7 +128,7 @@ def flex_window(q, k, v, w: int, scale: float, q_start: int, varlen=None):
     else:
         bm = document_window_mask(varlen, w, q.device)
     with no_eager_fallback(FLEX_RECOMPILE_LIMIT):
-        o = _flex_attention()(
+        o = compiled_flex_attention()(
             q.transpose(1, 2),
             k.transpose(1, 2),
             v.transpose(1, 2),
@@ -158,9 +163,13 @@ class SDPABackend(Backend):
 
     @property
     def impl(self) -> str:
+        """Returns: which kernel runs the window branch on each device, for the run's record."""
         return "sdpa:flex_attention (CUDA) / sdpa-band-mask (CPU)"
 
     def unavailable(self, branch, device, dtype):
+        """The window branch only: FlexAttention on CUDA (not float64), SDPA with a band mask on the CPU.
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         if branch == "cmp":
             return (
                 "the compressed branch needs the Eq. 9 block scores from its own probabilities; "
@@ -187,6 +196,9 @@ class SDPABackend(Backend):
         return f"no {device.type} path (CUDA: FlexAttention; CPU: SDPA with a band mask)"
 
     def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        """FlexAttention with a band block mask on CUDA (:func:`flex_window`), SDPA with a dense band
+        mask on the CPU (:func:`sdpa_window`). Arguments and Returns: as :meth:`nsa.dispatch.Backend.window`.
+        """
         S = q_start + q.shape[1]
         k, v = k_win[:, :S], v_win[:, :S]
         if q.device.type == "cuda":

@@ -16,7 +16,7 @@ One module per operation: ``compressed`` (+ Eq. 9 scores), ``topn`` (Eqs. 11-12)
 torch.compile: each forward and backward is a custom op (``nsa::compressed_fwd``, ``nsa::compressed_scores`` (the
 score-only pass the ``cudnn`` backend runs), ``nsa::window_fwd``,
 ``nsa::attention_bwd``, ``nsa::selection_fwd``, ``nsa::selection_bwd``, ``nsa::gate_fwd``, ``nsa::gate_bwd``;
-``nsa._compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
+``nsa.compat.custom_op``) with a fake implementation (its outputs' shapes and dtypes), called by the
 branch's ``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` traces a layer built on this backend,
 forward and backward, with one graph node per op. Their non-tensor arguments are ints, floats and strings:
 the config's block sizes (``utils.Blocks``) and the launch parameters read when the call is traced
@@ -45,7 +45,7 @@ def triton_unsupported() -> str | None:
     Triton < 3.0 (2.3): its language lacks ``tl.exp2``/``tl.log2`` and ``tl.dot(input_precision=)``,
     which the kernels use, and its interpreter returns raw numpy arrays from ``x[:, None]`` and lacks
     ``tl.minimum`` and atomics. The reference backend runs there."""
-    from ..._compat import triton_version
+    from ...compat import triton_version
 
     major, minor = triton_version()
     if (major, minor) < (3, 0):
@@ -57,6 +57,9 @@ class TritonBackend(Backend):
     name = "triton"
 
     def unavailable(self, branch, device, dtype):
+        """float16/bfloat16/float32 on CUDA with a supported triton, or CPU tensors under
+        ``TRITON_INTERPRET=1`` (not bfloat16). Arguments and Returns: as :meth:`nsa.dispatch.Backend.unavailable`.
+        """
         try:
             import triton  # noqa: F401
         except ImportError as e:
@@ -70,28 +73,43 @@ class TritonBackend(Backend):
         return f"needs a CUDA device (or CPU tensors with TRITON_INTERPRET=1), got {device.type}"
 
     def compressed(self, q, k_cmp, v_cmp, config, *, scale, q_start, n_keys, on_scored=None, varlen=None):
+        """The compressed branch's Triton kernels (:func:`.compressed.compressed_branch`).
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.compressed`.
+        """
         from .compressed import compressed_branch
         return compressed_branch(q, k_cmp, v_cmp, config, scale=scale, q_start=q_start, n_keys=n_keys,
                                  on_scored=on_scored, varlen=varlen)
 
     def selected(self, q, k_sel, v_sel, indices, config, *, scale, q_start, varlen=None):
+        """The selected branch's Triton kernels (:func:`.selection.selected_attention`).
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.selected`.
+        """
         from .selection import selected_attention
         return selected_attention(q, k_sel, v_sel, indices, config, scale=scale, q_start=q_start, varlen=varlen)
 
     def window(self, q, k_win, v_win, config, *, scale, q_start, varlen=None):
+        """The window branch's Triton kernels (:func:`.window.sliding_window_attention`).
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.window`.
+        """
         from .window import sliding_window_attention
         return sliding_window_attention(q, k_win, v_win, config, scale=scale, q_start=q_start, varlen=varlen)
 
     def combine(self, o_cmp, o_sel, o_win, gates):
+        """The gated sum in one fused kernel (:func:`.gate.gated_sum`).
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.combine`."""
         from .gate import gated_sum
         return gated_sum(o_cmp, o_sel, o_win, gates)
 
     def selected_gated(self, q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, scale, q_start, varlen=None):
+        """The gated sum in the selection kernel's epilogue (:func:`.selection.selected_gated`).
+        Arguments and Returns: as :meth:`nsa.dispatch.Backend.selected_gated`.
+        """
         from .selection import selected_gated  # Eq. 5 in the selection kernel's epilogue
         return selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, scale=scale, q_start=q_start,
                               varlen=varlen)
 
     def decode_kernels(self, config, B, max_len, device, dtype, *, n_sm=None):
+        """A :class:`.decode_attention.DecodeKernels`. Arguments and Returns: as :meth:`nsa.dispatch.Backend.decode_kernels`."""
         from .decode_attention import DecodeKernels
         return DecodeKernels(config, B, max_len, device, dtype=dtype, n_sm=n_sm)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._compat import custom_op
+from ...compat import custom_op
 from . import tuning
 from .rowdot import row_dot
 from .tiles import (at_doc, doc_rows, doc_span, geometry, group_rows, key_range, load_head_rows, load_row_stats,
@@ -38,7 +38,7 @@ def _query_rows(Q, DO, QD, DOD, b, h, m0, m, head, dk, dv, row_ok, sq_b, sq_t, s
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, QD, KD, VD, DOD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -137,7 +137,7 @@ def _store_key_rows(X, x, b, h, s_b, s_n, s_h, n, d, n_ok, D: tl.constexpr):
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK_, DV_, QD, DOD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     sdo_b, sdo_t, sdo_h, sdk_b, sdk_n, sdk_h, sdv_b, sdv_n, sdv_h, sdk_s, sdv_s, N, Tq, q_start, scale_log2, scale,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -208,7 +208,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
                   num_stages=tuning.by_path(tune, tma, q.element_size())["stages"])
     if B > 0 and Tq > 0:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq, stride, offset)
-        _bwd_dq_kernel[grid](
+        bwd_dq_kernel[grid](
             Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DQ=dq, QD=qd, KD=kd, VD=vd, DOD=dod, TILES=docs[0], CU_Q=docs[1],
             CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
             sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), sdo_b=do.stride(0), sdo_t=do.stride(1),
@@ -229,7 +229,7 @@ def attention_backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, w
             dvw = empty((n_split, *v.shape), v, torch.float32)
         else:
             dkw, dvw = dk[None], dv[None]
-        _bwd_dkdv_kernel[(n_kt, B * H, n_split)](
+        bwd_dkdv_kernel[(n_kt, B * H, n_split)](
             Q=q, K=k, V=v, DO=do, LSE=lse, DELTA=delta, DK_=dkw, DV_=dvw, QD=qd, DOD=dod, TILES=docs[0], CU_Q=docs[1],
             CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
             sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), sdo_b=do.stride(0), sdo_t=do.stride(1),

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._compat import custom_op
+from ...compat import custom_op
 from . import attention_bwd, tuning
 from .tiles import (forward_rows, geometry, group_rows, key_range, load_head_rows, load_rows, query_grid,
                     store_head_rows, visible)
@@ -198,7 +198,7 @@ def _score_pass(q, kb, vb, KD, VD, b, h, nn, cc, dk, dv, sk_n, sv_n, N, t, row_o
 
 
 @triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     Q, K, V, Out, LSE, SC, QD, KD1, KD, VD, TILES, CU_Q, CU_K, sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h,
     so_b, so_t, so_h, ssc_b, ssc_t, ssc_h, N, Tq, q_start, m_begin, m_end, nb, scale_log2,
     HQ: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -249,7 +249,7 @@ def _fwd_kernel(
         tl.store(LSE + (b * HQ + head).to(tl.int64) * Tq + m, lse, mask=row_ok)
 
 
-def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varlen=None, lse_in=None):
+def compressed_forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varlen=None, lse_in=None):
     """o [B,Tq,HQ,Dv], lse [B,HQ,Tq] (base 2) and the top-n indices [B,Tq,H,n_sel], the block scores
     consumed chunk by chunk. ``on_scored()`` (optional) is called once the last chunk's attention and
     scoring kernel is queued, before its top-n. ``varlen``: packed documents (B = 1; a chunk's tiles
@@ -295,7 +295,7 @@ def _forward(q, k, v, config, *, scale, q_start, n_blocks, on_scored, tune, varl
         # every candidate block (j <= t // l_sel) of every row is written by the kernel: no memset
         sc = empty((B, c1 - c0, H, nb), q, torch.float32)
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, c0, c1, config.d, config.l - 1)
-        _fwd_kernel[grid](
+        fwd_kernel[grid](
             Q=q, K=k, V=v, Out=out_t, LSE=lse, SC=sc, QD=descs[0], KD1=descs[1], KD=descs[2], VD=descs[3], TILES=docs[0],
             CU_Q=docs[1], CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1), sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1),
             sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1), sv_h=v.stride(2), so_b=out_t.stride(0), so_t=out_t.stride(1),
@@ -324,9 +324,9 @@ def _compressed_fwd_fake(q, k, v, blocks, scale, q_start, n_blocks, tune):
 @custom_op("nsa::compressed_fwd", _compressed_fwd_fake)
 def _compressed_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], scale: float,
                        q_start: int, n_blocks: int, tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_forward` of one sequence per batch row: (o, lse, indices); ``blocks``: ``Blocks.of(config)``,
+    """:func:`compressed_forward` of one sequence per batch row: (o, lse, indices); ``blocks``: ``Blocks.of(config)``,
     ``tune`` from ``tuning.encode``."""
-    return _forward(q, k, v, Blocks(*blocks), scale=scale, q_start=q_start, n_blocks=n_blocks, on_scored=None,
+    return compressed_forward(q, k, v, Blocks(*blocks), scale=scale, q_start=q_start, n_blocks=n_blocks, on_scored=None,
                     tune=tuning.decode("compressed", tune))
 
 
@@ -338,8 +338,8 @@ def _compressed_scores_fake(q, k, v, lse, blocks, scale, n_blocks, tune):
 def compressed_scores_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, blocks: Sequence[int],
                          scale: float, n_blocks: int, tune: Sequence[int]) -> torch.Tensor:
     """The top-n indices of rows from the sequence's start, their Eq. 9/10 scores from the given base-2 lse
-    ``[B,HQ,Tq]`` (:func:`_forward`'s score-only pass; ``nsa.backends.cudnn`` gives it cuDNN's)."""
-    return _forward(q, k, v, Blocks(*blocks), scale=scale, q_start=0, n_blocks=n_blocks, on_scored=None,
+    ``[B,HQ,Tq]`` (:func:`compressed_forward`'s score-only pass; ``nsa.backends.cudnn`` gives it cuDNN's)."""
+    return compressed_forward(q, k, v, Blocks(*blocks), scale=scale, q_start=0, n_blocks=n_blocks, on_scored=None,
                     tune=tuning.decode("compressed", tune), lse_in=lse)[2]
 
 
@@ -350,13 +350,22 @@ class CompressedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, config, scale, q_start, n_blocks, on_scored=None, varlen=None):
+        """Arguments:
+            ctx: autograd's context.
+            q, k, v: queries ``[B,Tq,HQ,Dk]``, compressed keys ``[B,Tc,H,Dk]`` and values ``[B,Tc,H,Dv]``.
+            config: the layer's NSAConfig; scale: the softmax scale; q_start: the first query's position.
+            n_blocks: the number of selection blocks; on_scored, varlen: as ``Backend.compressed``.
+
+        Returns:
+            ``(o_cmp [B,Tq,HQ,Dv], indices [B,Tq,H,n_sel])`` (indices not differentiable).
+        """
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         tune = tuning.params("compressed", q.device)
         if on_scored is None and varlen is None:
             o, lse, idx = _compressed_fwd_op(q, k, v, list(Blocks.of(config)), float(scale), int(q_start), int(n_blocks),
                                              tuning.encode("compressed", tune))
         else:
-            o, lse, idx = _forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
+            o, lse, idx = compressed_forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
                                    on_scored=on_scored, tune=tune, varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.geom = dict(scale=scale, q_start=q_start, stride=config.d, offset=config.l - 1, window=0,
@@ -366,6 +375,12 @@ class CompressedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _didx):
+        """Arguments:
+            ctx: autograd's context; do: the gradient of o_cmp; _didx: that of the indices (none).
+
+        Returns:
+            ``(dq, dk, dv)`` and None for every other input of :meth:`forward`.
+        """
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None, None, None

@@ -6,29 +6,29 @@ serves every step. ``tuning.decode.mode`` picks the launches of a step:
 
 ``four`` (B*H fills the SMs, or more than 512 selection blocks):
 
-1. ``_dec_cmp_partial``  grid (B*H, NSC): split-KV compressed attention. Each program takes a
+1. ``dec_cmp_partial``  grid (B*H, NSC): split-KV compressed attention. Each program takes a
    slice of the visible compressed tokens (the slice length follows the position), computes the
    scores of the G heads of its group (log2 domain), keeps them in a scratch row for step 2, and
    writes its flash-decoding partial (running max m, sum l, unnormalized acc).
-2. ``_dec_cmp_topk``     grid (B*H,): combines the partials into o_cmp, turns the scratch scores
+2. ``dec_cmp_topk``     grid (B*H,): combines the partials into o_cmp, turns the scratch scores
    into p_cmp (exactly softmax over the visible tokens), sums over the group (Eq. 10), weights by
    the block-aligned overlap (Eq. 9), forces initial/local blocks and takes the top-n (Eqs. 11-12,
    ties to the lower index; ``tuning.decode.topn``: a bitonic top-k, ``tl.topk``, where triton has
    it, else n_sel dependent argmaxes: the same blocks). Indices are written ascending, -1 padded.
-3. ``_dec_sv_partial``   grid (B*H, NS_SEL + NS_WIN): split-KV attention over the selected blocks
+3. ``dec_sv_partial``   grid (B*H, NS_SEL + NS_WIN): split-KV attention over the selected blocks
    (splits 0..NS_SEL-1) and over the window tokens (the rest), flash-decoding partials.
-4. ``_dec_combine``      grid (B*H,): combines the sel partials and the win partials separately,
+4. ``dec_combine``      grid (B*H,): combines the sel partials and the win partials separately,
    applies the gates and adds g_cmp * o_cmp.
 
 ``three`` (the default on a GPU while B*H*n_sel programs fit the SMs: the step is bound by latency, not
 bytes):
 
-1. ``_dec_cw_partial``   grid (B*H, NSC + NS_WIN): the compressed pass's splits and, beside them,
+1. ``dec_cw_partial``   grid (B*H, NSC + NS_WIN): the compressed pass's splits and, beside them,
    the window's (the window needs no top-n).
-2. ``_dec_sel_topn``     grid (B*H, NS_SEL): every program merges the compressed statistics, picks the
+2. ``dec_sel_topn``     grid (B*H, NS_SEL): every program merges the compressed statistics, picks the
    group's top-n itself (the same blocks in each: no program waits for another) and attends to its
    selected blocks.
-3. ``_dec_combine3``     grid (B*H, combine_split): merges the three branches' partials and applies the gates
+3. ``dec_combine3``     grid (B*H, combine_split): merges the three branches' partials and applies the gates
    (``tuning.decode.combine_split``: at B=1 a group's value dims are shared among programs).
 
 ``two`` (slower on the H100, BENCHMARKS.md): four's kernels in two launches, the program of a group
@@ -57,28 +57,12 @@ import triton.language as tl
 
 from ...dispatch import BRANCHES
 from . import tuning
-from .utils import DOT_MIN, LOG2E, capability, default_scale, dot_precision, p2, poisoning
-
-try:  # grid dependency control (programmatic dependent launch, sm_90+): triton >= 3.4
-    from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
-
-    HAS_GDC = True
-except ImportError:  # the kernels reach these only with PDL=True, which pdl_supported() refuses here
-    HAS_GDC = False
-    gdc_wait = gdc_launch_dependents = None
+from .decode_prologue import StepPrologue
+from .pdl import HAS_GDC, pdl_enter, pdl_supported
+from .utils import DOT_MIN, LOG2E, default_scale, dot_precision, p2, poisoning
 
 NEG = tl.constexpr(-1.0e30)
 HAS_TOPK = hasattr(tl, "topk")  # a bitonic top-k in triton.language (3.3+)
-
-
-@triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the previous kernel in the stream has finished
-    and its writes are visible, then let the next one start launching (its programs then wait here
-    in turn, so no launch latency lies between the step's kernels). Without: nothing."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -105,7 +89,7 @@ def _group_rows(x_ptr, b, h, stride_b, stride_h, offs_g, offs_d, gmask, G: tl.co
 
 
 @triton.jit
-def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+def dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
                      psum_ptr, ocmp_ptr, idx_ptr, sem_ptr,
                      stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                      qk_scale, TCS,
@@ -116,9 +100,17 @@ def _dec_cmp_partial(q_ptr, kc_ptr, vc_ptr, pos_ptr, stride_pos, sc_ptr, pm_ptr,
                      LS: tl.constexpr, NSC_PAD: tl.constexpr, N_SEL: tl.constexpr, N_INIT: tl.constexpr,
                      N_LOCAL: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr, BLOCK_T: tl.constexpr,
                      TOPK: tl.constexpr, FUSE: tl.constexpr):
-    # FUSE: the last of a group's NSC programs to finish runs the top-n step (_cmp_topk) itself, so the
-    # step needs no launch of _dec_cmp_topk; the arguments after PDL serve only it.
-    _pdl_enter(PDL)
+    """Mode four's step 1 (the module docstring): grid (B*H, NSC); each program attends to its slice of
+    the visible compressed tokens for the G heads of its group, keeps the scores for step 2 and writes its
+    flash-decoding partial (m, l, acc).
+
+    Arguments:
+        The caches, workspaces and strides as :meth:`DecodeKernels.attend` passes them; the constexprs are
+        ``launch_params``'. FUSE (mode two): the last of a group's NSC programs to finish runs the top-n
+        step (_cmp_topk) itself, so the step needs no launch of dec_cmp_topk; the arguments after PDL
+        serve only it.
+    """
+    pdl_enter(PDL)
     # SMALL_DOT: BLOCK_C is below the tl.dot minimum of the running triton (16 on triton 3.0, even
     # under the interpreter); the two products are then broadcast-multiply-sums in fp32.
     bh = tl.program_id(0).to(tl.int64)
@@ -190,13 +182,19 @@ def _cmp_split(q, kc_ptr, vc_ptr, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr, bh,
 
 
 @triton.jit
-def _dec_cmp_topk(pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
+def dec_cmp_topk(pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr, idx_ptr, TCS,
                   H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
                   L: tl.constexpr, D: tl.constexpr, LS: tl.constexpr, NSC: tl.constexpr, NSC_PAD: tl.constexpr,
                   N_SEL: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
                   BG: tl.constexpr, BDV: tl.constexpr, NB_PAD: tl.constexpr, BSEL: tl.constexpr,
                   BLOCK_T: tl.constexpr, TOPK: tl.constexpr, DO_TOPK: tl.constexpr, PDL: tl.constexpr):
-    _pdl_enter(PDL)
+    """Mode four's step 2 (the module docstring): grid (B*H,); merges the compressed partials into
+    o_cmp, turns the kept scores into the group's block scores (Eqs. 9-10) and writes the top-n (Eqs. 11-12).
+
+    Arguments:
+        The workspaces as :meth:`DecodeKernels.attend` passes them; the constexprs are ``launch_params``'.
+    """
+    pdl_enter(PDL)
     _cmp_topk(tl.program_id(0).to(tl.int64), pos_ptr, stride_pos, sc_ptr, pm_ptr, pl_ptr, pacc_ptr, psum_ptr, ocmp_ptr,
               idx_ptr, TCS, H, G, DV, L, D, LS, NSC, NSC_PAD, N_SEL, N_INIT, N_LOCAL, BG, BDV, NB_PAD, BSEL, BLOCK_T, TOPK,
               DO_TOPK)
@@ -320,7 +318,7 @@ def _pick(t, n_vis, s_base, psum_base, M, Lsafe, offs_g, gmask, TCS, L: tl.const
 
 
 @triton.jit
-def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, stride_pos, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
+def dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, stride_pos, pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
                     ocmp_ptr, g_ptr, out_ptr, sem_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                     stride_qb, stride_qh,
                     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
@@ -335,8 +333,8 @@ def _dec_sv_partial(q_ptr, ks_ptr, vs_ptr, kw_ptr, vw_ptr, idx_ptr, pos_ptr, str
     """Splits 0..NS_SEL-1: SEL_PER selected blocks each (SEL_VEC per tile); the rest: WIN_PER
     window tiles of BW tokens each. Tiles of either kind are NT = max(SEL_VEC*BLS, BW) wide.
     FUSE (every split launched): the last of a group's NS_TOT programs to finish writes the group's
-    gated output (_combine), so the step needs no launch of _dec_combine; ocmp .. stride_oh serve it."""
-    _pdl_enter(PDL)
+    gated output (_combine), so the step needs no launch of dec_combine; ocmp .. stride_oh serve it."""
+    pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1) + SPLIT_OFF
     b = bh // H
@@ -443,7 +441,7 @@ def _store_partial(pm_ptr, pl_ptr, pacc_ptr, row, m_i, l_i, acc, BG: tl.constexp
 
 
 @triton.jit
-def _dec_cw_partial(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, stride_pos, sc_ptr, cm_ptr, cl_ptr, cacc_ptr,
+def dec_cw_partial(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, stride_pos, sc_ptr, cm_ptr, cl_ptr, cacc_ptr,
                     pm_ptr, pl_ptr, pacc_ptr, cnt_ptr,
                     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_kwb, stride_kwt, stride_kwh, stride_vwb, stride_vwt, stride_vwh, qk_scale, TCS,
@@ -455,7 +453,7 @@ def _dec_cw_partial(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, stride_pos, 
     """Launch 1 of 3 (mode "three"): splits 0..NSC-1 of the compressed pass (_cmp_split) and, beside
     them, the window splits (their partials at rows NS_SEL.. of the selected/window partials): the
     window needs no top-n, so it runs while the compressed scores are computed."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // H
@@ -480,7 +478,7 @@ def _dec_cw_partial(q_ptr, kc_ptr, vc_ptr, kw_ptr, vw_ptr, pos_ptr, stride_pos, 
 
 
 @triton.jit
-def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, cm_ptr, cl_ptr, idx_ptr, pm_ptr, pl_ptr,
+def dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, cm_ptr, cl_ptr, idx_ptr, pm_ptr, pl_ptr,
                   pacc_ptr, cnt_ptr, stride_qb, stride_qh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
                   stride_vsh, qk_scale, TCS,
                   H: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, L: tl.constexpr,
@@ -494,7 +492,7 @@ def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, 
     statistics, picks the group's top-n blocks itself (the same blocks in every program: no program
     waits for another; program 0 writes them to ``idx``) and attends to its SEL_PER of them (Eq. 6),
     writing a partial at row sp."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     b = bh // H
@@ -543,13 +541,13 @@ def _dec_sel_topn(q_ptr, ks_ptr, vs_ptr, pos_ptr, stride_pos, sc_ptr, psum_ptr, 
 
 
 @triton.jit
-def _dec_combine3(cm_ptr, cl_ptr, cacc_ptr, pm_ptr, pl_ptr, pacc_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
+def dec_combine3(cm_ptr, cl_ptr, cacc_ptr, pm_ptr, pl_ptr, pacc_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
                   stride_ob, stride_oh, H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr, NSC: tl.constexpr,
                   NS_SEL: tl.constexpr, NS_TOT: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, BDVC: tl.constexpr,
                   PDL: tl.constexpr):
     """Launch 3 of 3 (mode "three"): o = sum over branches of g_c * (merge of branch c's partials), for
     value dims BDVC*program_id(1).. (at B=1 a group's merge is spread over several programs)."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -588,13 +586,13 @@ def _add_merged(o, g_base, gmask, pm_ptr, pl_ptr, pacc_ptr, bh, offs_g, offs_dv,
 
 
 @triton.jit
-def _dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
+def dec_combine(pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh, stride_ob, stride_oh,
                  H: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
                  NS_SEL: tl.constexpr, NS_TOT: tl.constexpr,
                  HAS_CMP: tl.constexpr, HAS_SEL: tl.constexpr, HAS_WIN: tl.constexpr,
                  BG: tl.constexpr, BDV: tl.constexpr, PDL: tl.constexpr):
     """o = g_cmp * o_cmp + g_sel * combine(sel partials) + g_win * combine(win partials)."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     _combine(tl.program_id(0).to(tl.int64), pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, stride_gh,
              stride_ob, stride_oh, H, G, DV, NS_SEL, NS_TOT, HAS_CMP, HAS_SEL, HAS_WIN, BG, BDV)
 
@@ -625,12 +623,6 @@ def _combine(bh, pm_ptr, pl_ptr, pacc_ptr, ocmp_ptr, g_ptr, out_ptr, stride_gb, 
                         BDV, BDV)
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
              o.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-def pdl_supported(device=None) -> bool:
-    """Programmatic dependent launch on ``device`` (default: the current CUDA device): triton's grid
-    dependency control and a GPU of sm_90 or later."""
-    return HAS_GDC and torch.cuda.is_available() and capability(device)[0] >= 9
 
 
 def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: dict, device=None) -> dict:
@@ -728,21 +720,9 @@ class DecodeKernels:
         # the layer step's RoPE, cache writes, phi and gates (GraphDecoder; None: its torch ops)
         self.prologue = None
         if p["prologue"] == "triton":
-            from .decode_prologue import StepPrologue
-
             self.prologue = StepPrologue(c, B, device, dtype, pdl=p["pdl"], warps=p["warps"], prec=self.prec)
         if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
             self.sel_psum = torch.empty(BH * p["ns_sel"], p["TCS"], **f32)
-        if p["mode"] == "one":  # per program: scores and top-n; per group: the partials
-            NP, NS = BH * p["splits"], p["splits"]
-            self.op_scores = torch.empty(NP, G, p["TCS"], **f32)
-            self.op_psum = torch.empty(NP, p["TCS"], **f32)
-            self.op_idx = torch.empty(NP, c.n_sel, device=device, dtype=torch.int32)
-            self.op_m = torch.empty(BH, 2 * NS, p["BG"], **f32)
-            self.op_l = torch.empty(BH, 2 * NS, p["BG"], **f32)
-            self.op_acc = torch.empty(BH, 2 * NS, p["BG"], p["BDV"], **f32)
-            self.op_cacc = torch.empty(NP, p["BG"], p["BDV"], **f32)
-            self.op_sem = torch.zeros(BH, device=device, dtype=torch.int32)
 
     # ------------------------------------------------------------------------------------------
     def attend(self, q, gates, pos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, *, scale=None,
@@ -784,7 +764,7 @@ class DecodeKernels:
         topk_args = dict(LS=c.l_sel, NSC_PAD=p2(p["nsc"], 2), N_SEL=c.n_sel, N_INIT=c.n_init, N_LOCAL=c.n_local,
                          NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], BLOCK_T=p["block_t"], TOPK=p["topk"])
         if "cmp" in branches:
-            _dec_cmp_partial[(BH, p["nsc"])](
+            dec_cmp_partial[(BH, p["nsc"])](
                 q_ptr=q, kc_ptr=k_cmp, vc_ptr=v_cmp, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, pm_ptr=self.cm,
                 pl_ptr=self.cl, pacc_ptr=self.cacc, cnt_ptr=self.counts, psum_ptr=self.psum, ocmp_ptr=self.o_cmp,
                 idx_ptr=self.indices, sem_ptr=self.sem[0], stride_qb=q.stride(0), stride_qh=q.stride(1),
@@ -794,7 +774,7 @@ class DecodeKernels:
                 COUNT=count, SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=nw, FUSE=fuse, **topk_args, **pdl,
             )
             if not fuse:
-                _dec_cmp_topk[(BH,)](
+                dec_cmp_topk[(BH,)](
                     pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, pm_ptr=self.cm, pl_ptr=self.cl, pacc_ptr=self.cacc,
                     psum_ptr=self.psum, ocmp_ptr=self.o_cmp, idx_ptr=self.indices, TCS=p["TCS"], H=H, G=G, DV=c.d_v, L=c.l, D=c.d,
                     NSC=p["nsc"], BG=p["BG"], BDV=p["BDV"], DO_TOPK=topk, num_warps=p["topk_warps"], **topk_args, **pdl,
@@ -803,7 +783,7 @@ class DecodeKernels:
         if has_sel or has_win:
             off = 0 if has_sel else p["ns_sel"]
             n = (p["ns_sel"] if has_sel else 0) + (p["ns_win"] if has_win else 0)
-            _dec_sv_partial[(BH, n)](
+            dec_sv_partial[(BH, n)](
                 q_ptr=q, ks_ptr=k_sel, vs_ptr=v_sel, kw_ptr=k_win, vw_ptr=v_win, idx_ptr=self.indices, pos_ptr=pos,
                 stride_pos=spos, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, cnt_ptr=self.counts, ocmp_ptr=self.o_cmp,
                 g_ptr=gates, out_ptr=self.out, sem_ptr=self.sem[1], stride_gb=gates.stride(0), stride_gh=gates.stride(1),
@@ -818,7 +798,7 @@ class DecodeKernels:
             )
         cb = branches if combine_branches is None else combine_branches
         if combine and not fuse:
-            _dec_combine[(BH,)](
+            dec_combine[(BH,)](
                 pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, ocmp_ptr=self.o_cmp, g_ptr=gates, out_ptr=self.out,
                 stride_gb=gates.stride(0), stride_gh=gates.stride(1), stride_ob=self.out.stride(0), stride_oh=self.out.stride(1),
                 H=H, G=G, DV=c.d_v, NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], HAS_CMP="cmp" in cb, HAS_SEL="sel" in cb,
@@ -831,7 +811,7 @@ class DecodeKernels:
         H, G, BH = c.n_kv_heads, c.G, self.B * c.n_kv_heads
         common = dict(H=H, G=G, DK=c.d_k, DV=c.d_v, L=c.l, D=c.d, BG=p["BG"], BDK=p["BDK"], BDV=p["BDV"],
                       PREC=self.prec, COUNT=count)
-        _dec_cw_partial[(BH, p["nsc"] + p["ns_win"])](
+        dec_cw_partial[(BH, p["nsc"] + p["ns_win"])](
             q_ptr=q, kc_ptr=k_cmp, vc_ptr=v_cmp, kw_ptr=k_win, vw_ptr=v_win, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores,
             cm_ptr=self.cm, cl_ptr=self.cl, cacc_ptr=self.cacc, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc,
             cnt_ptr=self.counts, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_kb=k_cmp.stride(0),
@@ -841,7 +821,7 @@ class DecodeKernels:
             NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], WIN_PER=p["win_per"], NWC=p["nwc"], BLOCK_C=p["block_c"],
             BW=p["bw"], SMALL_DOT=p["block_c"] < DOT_MIN, num_warps=p["warps"], **common, **pdl,
         )
-        _dec_sel_topn[(BH, p["ns_sel"])](
+        dec_sel_topn[(BH, p["ns_sel"])](
             q_ptr=q, ks_ptr=k_sel, vs_ptr=v_sel, pos_ptr=pos, stride_pos=spos, sc_ptr=self.scores, psum_ptr=self.sel_psum,
             cm_ptr=self.cm, cl_ptr=self.cl, idx_ptr=self.indices, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc,
             cnt_ptr=self.counts, stride_qb=q.stride(0), stride_qh=q.stride(1), stride_ksb=k_sel.stride(0),
@@ -851,7 +831,7 @@ class DecodeKernels:
             BLOCK_T=p["block_t"], TOPK=p["topk"], BLS=p["BLS"], NB_PAD=p["NB_PAD"], BSEL=p["BSEL"], num_warps=p["sel_warps"],
             **common, **pdl,
         )
-        _dec_combine3[(BH, p["combine_split"])](
+        dec_combine3[(BH, p["combine_split"])](
             cm_ptr=self.cm, cl_ptr=self.cl, cacc_ptr=self.cacc, pm_ptr=self.sm, pl_ptr=self.sl, pacc_ptr=self.sacc, g_ptr=gates,
             out_ptr=self.out, stride_gb=gates.stride(0), stride_gh=gates.stride(1), stride_ob=self.out.stride(0),
             stride_oh=self.out.stride(1), H=H, G=G, DV=c.d_v, NSC=p["nsc"], NS_SEL=p["ns_sel"], NS_TOT=p["ns_tot"], BG=p["BG"],

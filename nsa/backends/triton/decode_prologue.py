@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import _pdl_enter
+from .pdl import pdl_enter
 from .utils import p2
 
 PHI_MEAN, PHI_MLP = 1, 2
@@ -119,7 +119,7 @@ def _step_project(p_ptr, stride_p, pos_ptr, stride_pos, B, cos_ptr, sin_ptr, str
                   NRM: tl.constexpr, BHID: tl.constexpr, NCHK: tl.constexpr, NCHV: tl.constexpr, NRK: tl.constexpr,
                   NRV: tl.constexpr, RPERK: tl.constexpr, RPERV: tl.constexpr, BB: tl.constexpr, BM: tl.constexpr,
                   PREC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     t = tl.load(pos_ptr + b * stride_pos)
@@ -231,7 +231,7 @@ def _step_phi_out(pos_ptr, stride_pos, B, h_ptr, b1k_ptr, w2k_ptr, b2k_ptr, b1v_
                   NRK: tl.constexpr, NRV: tl.constexpr, BHK: tl.constexpr, BHV: tl.constexpr, BDO: tl.constexpr,
                   BB: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     """grid (cdiv(B, BB), output chunks of k and v): phi's fc2 for sequences BB*program_id(0).. ."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     b0 = tl.program_id(0) * BB
     j = tl.program_id(1)
     NDK: tl.constexpr = (DK + BDO - 1) // BDO

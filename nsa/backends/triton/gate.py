@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._compat import custom_op
+from ...compat import custom_op
 from . import tuning
 from .tiles import row_tile
 from .utils import empty
@@ -37,7 +37,13 @@ def gate_rows(o_sel, OC, OW, GT, off, g_off, ok, mask):
 
 
 @triton.jit
-def _gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+def gate_fwd_kernel(OC, OS, OW, GT, O, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program per BLOCK_R rows: ``O = GT[:, 0] * OC + GT[:, 1] * OS + GT[:, 2] * OW``.
+
+    Arguments:
+        OC, OS, OW: the branches' outputs, ``n_rows`` rows of D (contiguous); GT: the gates, 3 a row.
+        O: the output; D, BD: the row length and its power-of-2 tile; BLOCK_R: rows per program.
+    """
     r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     o = gate_rows(tl.load(OS + off, mask=mask, other=0.0).to(tl.float32), OC, OW, GT, off, r * 3, ok, mask)
     tl.store(O + off, o.to(O.dtype.element_ty), mask=mask)
@@ -52,8 +58,14 @@ def _gate_bwd_one(SRC, DST, GT, DG, do, r, ok, off, mask, c: tl.constexpr):
 
 
 @triton.jit
-def _gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.constexpr, BD: tl.constexpr,
+def gate_bwd_kernel(OC, OS, OW, GT, DO, DOC, DOS, DOW, DG, n_rows, D: tl.constexpr, BD: tl.constexpr,
                      BLOCK_R: tl.constexpr):
+    """One program per BLOCK_R rows: ``DOC, DOS, DOW = g_c * DO`` and ``DG[:, c] = rowsum(DO * O_c)``.
+
+    Arguments:
+        OC, OS, OW, GT: as :func:`gate_fwd_kernel`; DO: the output's gradient.
+        DOC, DOS, DOW, DG: the gradients written; n_rows, D, BD, BLOCK_R: as :func:`gate_fwd_kernel`.
+    """
     r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     do = tl.load(DO + off, mask=mask, other=0.0).to(tl.float32)
     _gate_bwd_one(OC, DOC, GT, DG, do, r, ok, off, mask, 0)
@@ -74,7 +86,7 @@ def _gate_fwd_op(o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, 
     n_rows = o_cmp.numel() // max(D, 1)
     o = empty(o_cmp.shape, o_cmp)
     if n_rows:
-        _gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+        gate_fwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
             OC=o_cmp, OS=o_sel, OW=o_win, GT=gates, O=o, n_rows=n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"],
             num_warps=tune["warps"],
         )
@@ -95,7 +107,7 @@ def _gate_bwd_op(oc: torch.Tensor, os_: torch.Tensor, ow: torch.Tensor, gates: t
     d_o = [empty(x.shape, x) for x in (oc, os_, ow)]
     dg = empty(gates.shape, gates)
     if n_rows:
-        _gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
+        gate_bwd_kernel[(triton.cdiv(n_rows, tune["rows"]),)](
             OC=oc, OS=os_, OW=ow, GT=gates, DO=do, DOC=d_o[0], DOS=d_o[1], DOW=d_o[2], DG=dg, n_rows=n_rows, D=D,
             BD=triton.next_power_of_2(D), BLOCK_R=tune["rows"], num_warps=tune["warps"],
         )
@@ -108,6 +120,12 @@ class GatedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, o_cmp, o_sel, o_win, gates):
+        """Arguments:
+            ctx: autograd's context; o_cmp, o_sel, o_win: ``[B,Tq,HQ,Dv]``; gates: ``[B,Tq,HQ,3]``.
+
+        Returns:
+            ``o [B,Tq,HQ,Dv]``.
+        """
         xs = [x.contiguous() for x in (o_cmp, o_sel, o_win, gates)]
         ctx.tune = tuning.encode("gate", tuning.params("gate", xs[0].device))  # the backward's too
         ctx.save_for_backward(*xs)
@@ -115,6 +133,12 @@ class GatedSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """Arguments:
+            ctx: autograd's context; do: the gradient of o.
+
+        Returns:
+            The gradients of o_cmp, o_sel, o_win and gates.
+        """
         return _gate_bwd_op(*ctx.saved_tensors, do.contiguous(), ctx.tune)
 
 

@@ -18,7 +18,13 @@ BLOCK_R = 32  # rows per program
 
 
 @triton.jit
-def _row_dot_kernel(A, B, OUT, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+def row_dot_kernel(A, B, OUT, n_rows, D: tl.constexpr, BD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program per BLOCK_R rows: ``OUT[r] = sum_d A[r, d] * B[r, d]`` in float32.
+
+    Arguments:
+        A, B: ``n_rows`` contiguous rows of D; OUT: float32 ``[n_rows]``; BD: D's power-of-2 tile;
+        BLOCK_R: rows per program.
+    """
     r, ok, mask, off = row_tile(n_rows, D, BD, BLOCK_R)
     a = tl.load(A + off, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + off, mask=mask, other=0.0).to(tl.float32)
@@ -34,8 +40,16 @@ def row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape[:-1], device=a.device, dtype=torch.float32)
     n_rows = out.numel()
     if n_rows and D:
-        _row_dot_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-            a, b, out, n_rows, D=D, BD=triton.next_power_of_2(D), BLOCK_R=BLOCK_R, num_warps=4)
+        row_dot_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            A=a,
+            B=b,
+            OUT=out,
+            n_rows=n_rows,
+            D=D,
+            BD=triton.next_power_of_2(D),
+            BLOCK_R=BLOCK_R,
+            num_warps=4,
+        )
     elif n_rows:
         out.zero_()
     return out

@@ -11,14 +11,14 @@ parameters, and which kernel family runs: ``tuning.params("selection")``.
 Two kernel families, both group-centric (paper Fig. 3: the G heads of a group share the blocks and
 each key/value tile is loaded once for all of them):
 
-* **query-outer** (``_fwd_q_kernel``, ``_bwd_dq_kernel``): one program per (query row, group); the
+* **query-outer** (``fwd_q_kernel``, ``bwd_dq_kernel``): one program per (query row, group); the
   G heads form the M rows of the tile; loop over the selected blocks with an online softmax. Best
   for large G (>= 8), where the G rows fill a matrix tile.
-* **block-outer** (``_fwd_kv_kernel``, ``_bwd_kv_kernel``): an inverted index (torch sort) lists,
+* **block-outer** (``fwd_kv_kernel``, ``bwd_kv_kernel``): an inverted index (torch sort) lists,
   for each (sequence, group, key block), the queries that selected it; one program per chunk of
   that list loads the key/value block once and packs (queries x G heads) into the M rows, so a
   tile is full for any G. Forward writes per-slot partial outputs and log-sum-exps, merged by
-  ``_combine_kernel``; backward accumulates dK/dV of the block in registers (one fp32 atomic add
+  ``combine_kernel``; backward accumulates dK/dV of the block in registers (one fp32 atomic add
   per chunk, not per query), and dQ per slot (or, after a query-outer forward whose dq partials
   would not fit, by the query-outer kernel). Long inputs run in row chunks whose partials fit
   ``part_bytes_max`` (one plan per chunk).
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._compat import assume_constant_result, custom_op
+from ...compat import assume_constant_result, custom_op
 from . import tuning
 from .gate import gate_rows
 from .rowdot import row_dot
@@ -54,7 +54,7 @@ def _seq_bounds(CU_Q, CU_K, seq):
 # Query-outer kernels: one program per (query row, kv head); rows of the tile = the G heads.
 # ------------------------------------------------------------------------------------------------
 @triton.jit
-def _sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
+def sel_tile(XD, row, h, BLOCK_S: tl.constexpr, BD: tl.constexpr):
     """Key rows row.. row+BLOCK_S of head h through the TMA descriptor of a [Nk, H, D] tensor (block
     [BLOCK_S, 1, BD]). Unlike the masked pointer loads, rows outside the selected block (past t, past the
     block, the previous or next sequence) hold data, not zeros, so the forward loads through it only
@@ -80,7 +80,7 @@ def _online(q, kt, vv, ok, m_i, l_i, acc, scale_log2, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_q_kernel(
+def fwd_q_kernel(
     Q, K, V, KD, VD, FIN, IDX, O, LSE, ROW_SEQ, CU_Q, CU_K, OC, OW, GT,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, si_n, si_h, so_n, so_h, sl_n, sg_n,
     q_start, scale_log2,
@@ -89,6 +89,14 @@ def _fwd_q_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """The query-outer forward: grid (query rows, key/value heads); each program attends, for the G
+    query heads of its group, to the row's n_sel selected blocks (online softmax), writing o and lse
+    (base 2), or with GATED the gated sum of the three branches.
+
+    Arguments:
+        Tensors and strides as :func:`_forward` passes them (``s<x>_<dim>``: tensor x's stride along dim);
+        constexprs: the config's sizes, tiles from :func:`tile_meta`, ``TMA``: load keys through KD/VD.
+    """
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
@@ -126,8 +134,8 @@ def _fwd_q_kernel(
                 off = sb * BLOCK_S + ar
                 pos = jt * L_SEL + off
                 ok = (peel > 0) & (off < L_SEL) & (pos <= t) & (pos < S)
-                kt = tl.trans(_sel_tile(KD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DK))
-                vv = tl.where(ok[:, None], _sel_tile(VD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV), 0.0)
+                kt = tl.trans(sel_tile(KD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DK))
+                vv = tl.where(ok[:, None], sel_tile(VD, row + sb * BLOCK_S, h, BLOCK_S, BLOCK_DV), 0.0)
                 m_i, l_i, acc = _online(q, kt, vv, ok, m_i, l_i, acc, scale_log2, PREC)
     # One flat loop, so that the next block's loads overlap. The update is _online's, written out so that the
     # value tile is loaded after the scores: 96 registers a thread against 108 through _online (ptxas, sm_90a).
@@ -145,7 +153,7 @@ def _fwd_q_kernel(
         if TMA:
             ok = ok & (j < skip)
             row = tl.where((j >= 0) & (j < skip), k0 + j * L_SEL + sb * BLOCK_S, -BLOCK_S)
-            kt = tl.trans(_sel_tile(KD, row, h, BLOCK_S, BLOCK_DK))
+            kt = tl.trans(sel_tile(KD, row, h, BLOCK_S, BLOCK_DK))
         else:
             kt = tl.load(K + (k0 + pos)[None, :] * sk_n + h * sk_h + dk[:, None],
                          mask=ok[None, :] & (dk[:, None] < DK), other=0.0)
@@ -157,7 +165,7 @@ def _fwd_q_kernel(
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
-            vv = _sel_tile(VD, row, h, BLOCK_S, BLOCK_DV)
+            vv = sel_tile(VD, row, h, BLOCK_S, BLOCK_DV)
         else:
             vv = tl.load(V + (k0 + pos)[:, None] * sv_n + h * sv_h + dv[None, :],
                          mask=ok[:, None] & (dv[None, :] < DV), other=0.0)
@@ -173,7 +181,7 @@ def _fwd_q_kernel(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def bwd_dq_kernel(
     Q, K, V, DO, IDX, LSE, DELTA, DQ, ROW_SEQ, CU_Q, CU_K,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, si_n, si_h, sl_n, sdq_n, sdq_h,
     q_start, scale_log2, scale,
@@ -182,6 +190,12 @@ def _bwd_dq_kernel(
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """The query-outer backward's dq: grid (query rows, key/value heads), dq of the row's G heads over its
+    selected blocks (the block-outer kernel writes dk and dv).
+
+    Arguments:
+        Tensors and strides as :func:`_backward` passes them; constexprs as :func:`fwd_q_kernel`.
+    """
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     seq = tl.load(ROW_SEQ + r).to(tl.int64)
@@ -258,7 +272,7 @@ def _fwd_kv_tile(e0, e_end, q0, h, pos, kok, kt, vv, Q, OPART, LPART, ENT_ROW, E
 
 
 @triton.jit
-def _fwd_kv_kernel(
+def fwd_kv_kernel(
     Q, K, V, OPART, LPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sop_n, sop_h, sop_s, slp_n, slp_h, part_row0,
     q_start, scale_log2, H, NB,
@@ -266,6 +280,13 @@ def _fwd_kv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     PREC: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """The block-outer forward: one program per plan item (a key/value block and the query rows that
+    selected it), writing per-slot partials (OPART, LPART) that :func:`combine_kernel` merges.
+
+    Arguments:
+        Tensors, the plan's tables and strides as :func:`_forward` passes them; ``part_row0``: the first row
+        of this chunk of partials; H, NB: key/value heads and selection blocks; constexprs: tile sizes.
+    """
     it = tl.program_id(0).to(tl.int64)
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
@@ -302,14 +323,14 @@ def _fwd_kv_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def combine_kernel(
     OPART, LPART, O, LSE, OC, OW, GT, n_rows, HQ,
     sop_n, sop_h, sop_s, slp_n, slp_h, so_n, so_h, sl_n, sg_n,
     N_SEL: tl.constexpr, DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     GATED: tl.constexpr,
 ):
     """Merge the per-slot partial outputs of each (query row, head): o = sum_s 2^(lse_s - lse) o_s
-    (GATED: then Eq. 5 with the other two branches, as in ``_fwd_q_kernel``)."""
+    (GATED: then Eq. 5 with the other two branches, as in ``fwd_q_kernel``)."""
     pid = tl.program_id(0).to(tl.int64)
     rr = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rok = rr < n_rows
@@ -374,7 +395,7 @@ def _bwd_kv_tile(e0, e_end, q0, h, pos, kok, kk, vv, acc_dk, acc_dv, Q, DO, LSE,
 
 
 @triton.jit
-def _bwd_kv_kernel(
+def bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK32, DV32, DQPART, ENT_ROW, ENT_SLOT, ITEM_KEY, ITEM_START, ITEM_END, CU_Q, CU_K,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sd_n, sd_h, sl_n, sdk_n, sdk_h, sdv_n, sdv_h, sdq_n, sdq_h, sdq_s, dq_row0,
     q_start, scale_log2, scale, H, NB,
@@ -382,6 +403,12 @@ def _bwd_kv_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     WRITE_DQ: tl.constexpr, PREC: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """The block-outer backward: one program per plan item, accumulating dk and dv of its block (float32,
+    atomics) and, with WRITE_DQ, per-slot dq partials that :func:`dq_combine_kernel` sums.
+
+    Arguments:
+        Tensors, the plan's tables and strides as :func:`_backward` passes them; as :func:`fwd_kv_kernel`.
+    """
     it = tl.program_id(0).to(tl.int64)
     key = tl.load(ITEM_KEY + it).to(tl.int64)
     e_beg = tl.load(ITEM_START + it).to(tl.int64)
@@ -423,7 +450,7 @@ def _bwd_kv_kernel(
 
 
 @triton.jit
-def _dq_combine_kernel(
+def dq_combine_kernel(
     DQPART, IDX, DQ, n_rows, HQ, NB,
     sdq_n, sdq_h, sdq_s, si_n, si_h, so_n, so_h,
     G: tl.constexpr, N_SEL: tl.constexpr, DK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DK: tl.constexpr,
@@ -545,31 +572,40 @@ def _part_rows(n_rows, row_bytes, tune):
     return max(1, min(n_rows, tune["part_bytes_max"] // row_bytes))
 
 
-def _meta(Dk, Dv, l_sel, block_s):
+def tile_meta(Dk, Dv, l_sel, block_s):
+    """The query-outer kernels' key tiles.
+
+    Arguments:
+        Dk, Dv: head dims; l_sel: the selection block length; block_s: the tuned key tile.
+
+    Returns:
+        ``{BLOCK_S, N_SUB, BLOCK_DK, BLOCK_DV}``: the tile (at most l_sel, >= 16), tiles per block, and the
+        head dims' power-of-2 tiles (>= 16).
+    """
     BLOCK_S = min(block_s, p2(l_sel, 16))
     return dict(BLOCK_S=BLOCK_S, N_SUB=triton.cdiv(l_sel, BLOCK_S), BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16))
 
 
-def _kv_descriptors(tune, k, v, l_sel):
+def kv_descriptors(tune, k, v, l_sel):
     """TMA descriptors of k, v [Nk, H, D] for the query-outer forward's key tiles (its dq kernel keeps
     pointer loads, which timed faster there: BENCHMARKS.md), or (None, None) where
     ``tune["tma"]`` is off or the tensors do not qualify (``utils.tma_ok``; packed documents qualify:
     the kernel loads through them only whole blocks at or before the row's token), or where a key tile
     would reach past its block (``l_sel`` not a multiple of the tile: l_sel < 16)."""
-    block_s = _meta(k.shape[2], v.shape[2], l_sel, tune["block_s"])["BLOCK_S"]
+    block_s = tile_meta(k.shape[2], v.shape[2], l_sel, tune["block_s"])["BLOCK_S"]
     if l_sel % block_s or not tma_ok(tune["tma"], None, 1, 1, k, v):
         return None, None
     return (descriptor(k, [block_s, 1, p2(k.shape[2], 16)]), descriptor(v, [block_s, 1, p2(v.shape[2], 16)]))
 
 
-def _block_q(G, Dmax, rows):
+def block_q(G, Dmax, rows):
     """(GP, BLOCK_Q): rows of a block-outer tile = BLOCK_Q queries x GP heads."""
     GP = triton.next_power_of_2(G)
     rows = rows if Dmax <= 128 else min(rows, 32)
     return GP, max(1, rows // GP)
 
 
-def _bwd_launch(tune, G, itemsize, write_dq):
+def bwd_launch(tune, G, itemsize, write_dq):
     """Rows, warps and stages of the block-outer backward: the table's, or where None the values measured
     fastest on an H100 at 8k-64k (BENCHMARKS.md, "Tuning choices"): 64 rows of 4 warps for G >= 16 without
     dq partials (the dk/dv pass beside the query-outer dq), else 128 rows of 8 warps; 3 stages for 16-bit
@@ -600,19 +636,55 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
     if Nq == 0:
         return o, lse, plan
     if mode == "query":
-        kd, vd = _kv_descriptors(tune, k, v, l_sel)
+        kd, vd = kv_descriptors(tune, k, v, l_sel)
         # through descriptors: whether every value is finite (a device flag: no sync, graph-safe)
         fin = torch.isfinite(v).all().to(torch.int32) if kd is not None else lse
-        _fwd_q_kernel[(Nq, H)](
-            q, k, v, kd, vd, fin, idx, o, lse, lay.row_seq, lay.cu_q, lay.cu_k, oc, ow, gt,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            idx.stride(0), idx.stride(1), o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
-            lay.q_start, scale_log2,
-            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec, GATED=gated is not None,
-            TMA=kd is not None, BLOCK_N=p2(n_sel, 2), num_warps=tune["warps"], num_stages=tune["stages"],
-            **_meta(Dk, Dv, l_sel, tune["block_s"]))
+        fwd_q_kernel[(Nq, H)](
+            Q=q,
+            K=k,
+            V=v,
+            KD=kd,
+            VD=vd,
+            FIN=fin,
+            IDX=idx,
+            O=o,
+            LSE=lse,
+            ROW_SEQ=lay.row_seq,
+            CU_Q=lay.cu_q,
+            CU_K=lay.cu_k,
+            OC=oc,
+            OW=ow,
+            GT=gt,
+            sq_n=q.stride(0),
+            sq_h=q.stride(1),
+            sk_n=k.stride(0),
+            sk_h=k.stride(1),
+            sv_n=v.stride(0),
+            sv_h=v.stride(1),
+            si_n=idx.stride(0),
+            si_h=idx.stride(1),
+            so_n=o.stride(0),
+            so_h=o.stride(1),
+            sl_n=lse.stride(0),
+            sg_n=gt.stride(0),
+            q_start=lay.q_start,
+            scale_log2=scale_log2,
+            G=G,
+            N_SEL=n_sel,
+            L_SEL=l_sel,
+            DK=Dk,
+            DV=Dv,
+            BLOCK_G=p2(G, 16),
+            PREC=prec,
+            GATED=gated is not None,
+            TMA=kd is not None,
+            BLOCK_N=p2(n_sel, 2),
+            num_warps=tune["warps"],
+            num_stages=tune["stages"],
+            **tile_meta(Dk, Dv, l_sel, tune["block_s"]),
+        )
         return o, lse, plan
-    GP, BQ = _block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
+    GP, BQ = block_q(G, max(Dk, Dv), tune["rows"] or (128 if G == 1 else 64))
     # Per-slot partials of at most part_bytes_max: query rows in chunks, each with its own plan (the
     # plan of a single chunk is kept for the backward).
     rows = _part_rows(Nq, HQ * n_sel * Dv * q.element_size(), tune)
@@ -622,24 +694,79 @@ def _forward(q, k, v, idx, lay, scale, l_sel, mode, tune, gated=None):
         opart = empty((r1 - r0, HQ, n_sel, Dv), q, _part_dtype(q.dtype))
         lpart = torch.full((r1 - r0, HQ, n_sel), float("-inf"), device=q.device, dtype=torch.float32)
         if plan["n_items"]:
-            _fwd_kv_kernel[(plan["n_items"],)](
-                q, k, v, opart, lpart, plan["ent_row"], plan["ent_slot"], plan["item_key"], plan["item_start"],
-                plan["item_end"], lay.cu_q, lay.cu_k,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1), r0,
-                lay.q_start, scale_log2, H, max(lay.n_blocks, 1),
-                G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
-                BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), PREC=prec, INTERP=interpreted(q),
-                num_warps=tune["kv_warps"], num_stages=tune["kv_stages"] or (2 if G == 1 else 3))
+            fwd_kv_kernel[(plan["n_items"],)](
+                Q=q,
+                K=k,
+                V=v,
+                OPART=opart,
+                LPART=lpart,
+                ENT_ROW=plan["ent_row"],
+                ENT_SLOT=plan["ent_slot"],
+                ITEM_KEY=plan["item_key"],
+                ITEM_START=plan["item_start"],
+                ITEM_END=plan["item_end"],
+                CU_Q=lay.cu_q,
+                CU_K=lay.cu_k,
+                sq_n=q.stride(0),
+                sq_h=q.stride(1),
+                sk_n=k.stride(0),
+                sk_h=k.stride(1),
+                sv_n=v.stride(0),
+                sv_h=v.stride(1),
+                sop_n=opart.stride(0),
+                sop_h=opart.stride(1),
+                sop_s=opart.stride(2),
+                slp_n=lpart.stride(0),
+                slp_h=lpart.stride(1),
+                part_row0=r0,
+                q_start=lay.q_start,
+                scale_log2=scale_log2,
+                H=H,
+                NB=max(lay.n_blocks, 1),
+                G=G,
+                GP=GP,
+                L_SEL=l_sel,
+                DK=Dk,
+                DV=Dv,
+                BLOCK_Q=BQ,
+                BLOCK_L=p2(l_sel, 16),
+                BLOCK_DK=p2(Dk, 16),
+                BLOCK_DV=p2(Dv, 16),
+                PREC=prec,
+                INTERP=interpreted(q),
+                num_warps=tune["kv_warps"],
+                num_stages=tune["kv_stages"] or (2 if G == 1 else 3),
+            )
         BLOCK_R = 16
         n_rows = (r1 - r0) * HQ
         o_c, lse_c, oc_c, ow_c, gt_c = (x[r0:r1] for x in (o, lse, oc, ow, gt))
-        _combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-            opart, lpart, o_c, lse_c, oc_c, ow_c, gt_c, n_rows, HQ,
-            opart.stride(0), opart.stride(1), opart.stride(2), lpart.stride(0), lpart.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0), gt.stride(0),
-            N_SEL=n_sel, DV=Dv, BLOCK_R=BLOCK_R, BLOCK_N=p2(n_sel, 2), BLOCK_DV=p2(Dv, 16), GATED=gated is not None,
-            num_warps=4)
+        combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+            OPART=opart,
+            LPART=lpart,
+            O=o_c,
+            LSE=lse_c,
+            OC=oc_c,
+            OW=ow_c,
+            GT=gt_c,
+            n_rows=n_rows,
+            HQ=HQ,
+            sop_n=opart.stride(0),
+            sop_h=opart.stride(1),
+            sop_s=opart.stride(2),
+            slp_n=lpart.stride(0),
+            slp_h=lpart.stride(1),
+            so_n=o.stride(0),
+            so_h=o.stride(1),
+            sl_n=lse.stride(0),
+            sg_n=gt.stride(0),
+            N_SEL=n_sel,
+            DV=Dv,
+            BLOCK_R=BLOCK_R,
+            BLOCK_N=p2(n_sel, 2),
+            BLOCK_DV=p2(Dv, 16),
+            GATED=gated is not None,
+            num_warps=4,
+        )
     if rows < Nq:
         plan = None
     return o, lse, plan
@@ -672,44 +799,135 @@ def _backward(do, q, k, v, o, lse, idx, lay, scale, l_sel, mode, plan, tune):
     if write_dq is None:
         write_dq = mode == "block" or Nq * part_row <= tune["part_bytes_max"] or p2(Dk, 16) > 128
     rows = Nq if not write_dq else _part_rows(Nq, part_row, tune)
-    bwd = _bwd_launch(tune, G, q.element_size(), write_dq)
-    GP, BQ = _block_q(G, max(Dk, Dv), bwd["rows"])
+    bwd = bwd_launch(tune, G, q.element_size(), write_dq)
+    GP, BQ = block_q(G, max(Dk, Dv), bwd["rows"])
     dq = empty(q.shape, q)
     for r0 in range(0, Nq, rows):
         r1 = min(Nq, r0 + rows)
         if (r0, r1) != (0, Nq) or plan is None:
             plan = _block_outer_plan(idx[r0:r1], lay, H, G, tune["chunk_rows"], row0=r0)
-        # dq per (row, head, slot) of rows r0..r1, summed by _dq_combine_kernel over the live slots only
+        # dq per (row, head, slot) of rows r0..r1, summed by dq_combine_kernel over the live slots only
         dqpart = empty((r1 - r0, HQ, n_sel, Dk), q, _part_dtype(q.dtype)) if write_dq else dk32
         if plan["n_items"]:
-            _bwd_kv_kernel[(plan["n_items"],)](
-                q, k, v, do, lse, delta, dk32, dv32, dqpart, plan["ent_row"], plan["ent_slot"], plan["item_key"],
-                plan["item_start"], plan["item_end"], lay.cu_q, lay.cu_k,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                do.stride(0), do.stride(1), lse.stride(0), dk32.stride(0), dk32.stride(1), dv32.stride(0),
-                dv32.stride(1), dqpart.stride(0), dqpart.stride(1), dqpart.stride(2) if write_dq else 0, r0,
-                lay.q_start, scale_log2, scale, H, max(lay.n_blocks, 1),
-                G=G, GP=GP, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_Q=BQ, BLOCK_L=p2(l_sel, 16),
-                BLOCK_DK=p2(Dk, 16), BLOCK_DV=p2(Dv, 16), WRITE_DQ=write_dq, PREC=prec, INTERP=interpreted(q),
-                num_warps=bwd["warps"], num_stages=bwd["stages"])
+            bwd_kv_kernel[(plan["n_items"],)](
+                Q=q,
+                K=k,
+                V=v,
+                DO=do,
+                LSE=lse,
+                DELTA=delta,
+                DK32=dk32,
+                DV32=dv32,
+                DQPART=dqpart,
+                ENT_ROW=plan["ent_row"],
+                ENT_SLOT=plan["ent_slot"],
+                ITEM_KEY=plan["item_key"],
+                ITEM_START=plan["item_start"],
+                ITEM_END=plan["item_end"],
+                CU_Q=lay.cu_q,
+                CU_K=lay.cu_k,
+                sq_n=q.stride(0),
+                sq_h=q.stride(1),
+                sk_n=k.stride(0),
+                sk_h=k.stride(1),
+                sv_n=v.stride(0),
+                sv_h=v.stride(1),
+                sd_n=do.stride(0),
+                sd_h=do.stride(1),
+                sl_n=lse.stride(0),
+                sdk_n=dk32.stride(0),
+                sdk_h=dk32.stride(1),
+                sdv_n=dv32.stride(0),
+                sdv_h=dv32.stride(1),
+                sdq_n=dqpart.stride(0),
+                sdq_h=dqpart.stride(1),
+                sdq_s=dqpart.stride(2) if write_dq else 0,
+                dq_row0=r0,
+                q_start=lay.q_start,
+                scale_log2=scale_log2,
+                scale=scale,
+                H=H,
+                NB=max(lay.n_blocks, 1),
+                G=G,
+                GP=GP,
+                L_SEL=l_sel,
+                DK=Dk,
+                DV=Dv,
+                BLOCK_Q=BQ,
+                BLOCK_L=p2(l_sel, 16),
+                BLOCK_DK=p2(Dk, 16),
+                BLOCK_DV=p2(Dv, 16),
+                WRITE_DQ=write_dq,
+                PREC=prec,
+                INTERP=interpreted(q),
+                num_warps=bwd["warps"],
+                num_stages=bwd["stages"],
+            )
         if write_dq:
             BLOCK_R = 16
             n_rows = (r1 - r0) * HQ
             idx_c, dq_c = idx[r0:r1], dq[r0:r1]
-            _dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
-                dqpart, idx_c, dq_c, n_rows, HQ, max(lay.n_blocks, 1),
-                dqpart.stride(0), dqpart.stride(1), dqpart.stride(2), idx_c.stride(0), idx_c.stride(1),
-                dq_c.stride(0), dq_c.stride(1),
-                G=G, N_SEL=n_sel, DK=Dk, BLOCK_R=BLOCK_R, BLOCK_DK=p2(Dk, 16), num_warps=4)
+            dq_combine_kernel[(triton.cdiv(n_rows, BLOCK_R),)](
+                DQPART=dqpart,
+                IDX=idx_c,
+                DQ=dq_c,
+                n_rows=n_rows,
+                HQ=HQ,
+                NB=max(lay.n_blocks, 1),
+                sdq_n=dqpart.stride(0),
+                sdq_h=dqpart.stride(1),
+                sdq_s=dqpart.stride(2),
+                si_n=idx_c.stride(0),
+                si_h=idx_c.stride(1),
+                so_n=dq_c.stride(0),
+                so_h=dq_c.stride(1),
+                G=G,
+                N_SEL=n_sel,
+                DK=Dk,
+                BLOCK_R=BLOCK_R,
+                BLOCK_DK=p2(Dk, 16),
+                num_warps=4,
+            )
     if not write_dq:
-        _bwd_dq_kernel[(Nq, H)](
-            q, k, v, do, idx, lse, delta, dq, lay.row_seq, lay.cu_q, lay.cu_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            do.stride(0), do.stride(1), idx.stride(0), idx.stride(1), lse.stride(0), dq.stride(0), dq.stride(1),
-            lay.q_start, scale_log2, scale,
-            G=G, N_SEL=n_sel, L_SEL=l_sel, DK=Dk, DV=Dv, BLOCK_G=p2(G, 16), PREC=prec,
-            num_warps=tune["dq_warps"] or tune["warps"], num_stages=tune["dq_stages"] or tune["stages"],
-            **_meta(Dk, Dv, l_sel, tune["block_s"]))
+        bwd_dq_kernel[(Nq, H)](
+            Q=q,
+            K=k,
+            V=v,
+            DO=do,
+            IDX=idx,
+            LSE=lse,
+            DELTA=delta,
+            DQ=dq,
+            ROW_SEQ=lay.row_seq,
+            CU_Q=lay.cu_q,
+            CU_K=lay.cu_k,
+            sq_n=q.stride(0),
+            sq_h=q.stride(1),
+            sk_n=k.stride(0),
+            sk_h=k.stride(1),
+            sv_n=v.stride(0),
+            sv_h=v.stride(1),
+            sd_n=do.stride(0),
+            sd_h=do.stride(1),
+            si_n=idx.stride(0),
+            si_h=idx.stride(1),
+            sl_n=lse.stride(0),
+            sdq_n=dq.stride(0),
+            sdq_h=dq.stride(1),
+            q_start=lay.q_start,
+            scale_log2=scale_log2,
+            scale=scale,
+            G=G,
+            N_SEL=n_sel,
+            L_SEL=l_sel,
+            DK=Dk,
+            DV=Dv,
+            BLOCK_G=p2(G, 16),
+            PREC=prec,
+            num_warps=tune["dq_warps"] or tune["warps"],
+            num_stages=tune["dq_stages"] or tune["stages"],
+            **tile_meta(Dk, Dv, l_sel, tune["block_s"]),
+        )
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 

@@ -24,7 +24,7 @@ def _free(j, last, nb, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
 
 
 @triton.jit
-def _topn_kernel(
+def topn_kernel(
     SC, IDX, POS, n_rows, ssc_b, sidx_b, nb, t0,
     H: tl.constexpr, NBP: tl.constexpr, N_SEL: tl.constexpr, NSP: tl.constexpr, N_INIT: tl.constexpr,
     N_LOCAL: tl.constexpr, L_SEL: tl.constexpr, RB: tl.constexpr, SEG: tl.constexpr, VARLEN: tl.constexpr,
@@ -116,7 +116,7 @@ def _ranges(c, t0, nb, l_sel):
 
 
 def topn_launch(sc, out, t0, nb, config, pos=None):
-    """Top-n (``_topn_kernel``) of a ``[B, c, H, nb]`` float32 score buffer whose position p sits at
+    """Top-n (``topn_kernel``) of a ``[B, c, H, nb]`` float32 score buffer whose position p sits at
     t0 + p, into ``out [B, c, H, n_sel]``. Positions are cut into ranges whose candidate count
     (t // l_sel + 1) fits the same power of two, and each range reads only that many columns: at 64k,
     about 2/3 of the score columns are never read (non-candidates of early rows). ``pos`` (packed
@@ -132,7 +132,7 @@ def topn_launch(sc, out, t0, nb, config, pos=None):
     for p0, p1, width in _ranges(c, t0, nb, config.l_sel) if pos is None else [(0, c, p2(nb))]:
         rb = topn_rows(width, config.n_sel, tune)
         rows = (p1 - p0) * H
-        _topn_kernel[(triton.cdiv(rows, rb), B)](
+        topn_kernel[(triton.cdiv(rows, rb), B)](
             SC=sc[:, p0:], IDX=out[:, p0:], POS=pos, n_rows=rows, ssc_b=sc.stride(0), sidx_b=out.stride(0), nb=nb, t0=t0 + p0,
             H=H, NBP=width, N_SEL=config.n_sel, NSP=p2(config.n_sel), N_INIT=config.n_init, N_LOCAL=config.n_local,
             L_SEL=config.l_sel, RB=rb, SEG=min(TOPN_SEG, width), VARLEN=pos is not None, num_warps=tune["warps"],

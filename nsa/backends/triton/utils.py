@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ... import env
-from ..._compat import assume_constant_result, triton_version
+from ...compat import assume_constant_result, triton_version
 
 LOG2E = 1.4426950408889634  # the kernels' softmax is in base 2: exp(x) = exp2(x * log2(e))
 # Smallest tl.dot dimension the running triton accepts: 3.0 asserts every one >= 16 (compiled and
@@ -95,6 +95,12 @@ class Blocks(NamedTuple):
 
     @classmethod
     def of(cls, config) -> "Blocks":
+        """Arguments:
+            config: an :class:`nsa.NSAConfig`.
+
+        Returns:
+            Its block geometry (l, d, l_sel, n_sel, w, n_init, n_local).
+        """
         return cls(config.l, config.d, config.l_sel, config.n_sel, config.w, config.n_init, config.n_local)
 
 

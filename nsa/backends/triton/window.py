@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._compat import custom_op
+from ...compat import custom_op
 from . import attention_bwd, tuning
 from .tiles import (forward_rows, geometry, key_range, load_head_rows, load_rows, load_span, query_grid,
                     store_head_rows, visible)
@@ -50,7 +50,7 @@ def _online_tile(q, kb, vb, n0, nn, dk, dv, sk_n, sv_n, n_lo, n_hi, t, row_ok, m
 
 
 @triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     Q, K, V, Out, LSE, SC, TILES, CU_Q, CU_K,
     sq_b, sq_t, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_t, so_h, ssc_b, ssc_t, ssc_h,
     N, Tq, q_start, m_begin, m_end, nb, scale_log2,
@@ -118,7 +118,7 @@ def _forward(q, k, v, w, *, scale, q_start, tune, varlen=None):
     nstep = tune["block_n"]
     if B and Tq:
         grid, docs = query_grid(varlen, geo["BLOCK_M"], B, H, q.device, 0, Tq)
-        _fwd_kernel[grid](
+        fwd_kernel[grid](
             Q=q, K=k, V=v, Out=o, LSE=lse, SC=lse, TILES=docs[0], CU_Q=docs[1], CU_K=docs[2], sq_b=q.stride(0), sq_t=q.stride(1),
             sq_h=q.stride(2), sk_b=k.stride(0), sk_n=k.stride(1), sk_h=k.stride(2), sv_b=v.stride(0), sv_n=v.stride(1),
             sv_h=v.stride(2), so_b=o.stride(0), so_t=o.stride(1), so_h=o.stride(2), ssc_b=lse.stride(0), ssc_t=lse.stride(1),
@@ -147,6 +147,14 @@ class WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, w, scale, q_start, varlen=None):
+        """Arguments:
+            ctx: autograd's context; q, k, v: ``[B,Tq,HQ,Dk]``, ``[B,S,H,Dk]``, ``[B,S,H,Dv]``.
+            w: the window; scale: the softmax scale; q_start: the first query's position; varlen: packed
+            documents or None.
+
+        Returns:
+            ``o_win [B,Tq,HQ,Dv]``.
+        """
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         tune = tuning.params("window", q.device)
         if varlen is None:
@@ -160,6 +168,12 @@ class WindowAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """Arguments:
+            ctx: autograd's context; do: the gradient of o_win.
+
+        Returns:
+            ``(dq, dk, dv)`` and None for every other input of :meth:`forward`.
+        """
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_bwd.backward(q, k, v, o, lse, do, **ctx.geom)
         return dq, dk, dv, None, None, None, None

@@ -1,0 +1,310 @@
+"""The house rules, read from the source with ``ast`` (nothing is imported), each checker also tested on
+a small tree of its own:
+
+* no module of nsa/, experiments/, scripts/ or hydra_plugins/ uses another module's private name
+  (``from m import _x``, ``m._x``, or a private module such as ``nsa._x`` from outside its package);
+* the modules of nsa/ and experiments/ import each other without cycles. Every import statement
+  counts, also one inside a function: a deferred import hides a cycle from the interpreter, not from
+  the reader;
+* no module edits ``sys.path`` (scripts import the installed package), and the scripts run from
+  another directory;
+* one definition of the dtype table and of the config flattener;
+* Triton kernels are launched with keyword arguments only;
+* every public function of nsa/ has a docstring, the Backend protocol's with Arguments and Returns.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("nsa", "experiments", "scripts", "hydra_plugins")
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def module_files(packages=PACKAGES, root: Path = REPO) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under ``packages``."""
+    out = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def absolute(module: str, path: Path, level: int, name: str | None) -> str:
+    """The absolute module a (possibly relative) ``from`` import names."""
+    if level == 0:
+        return name or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base.pop()
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never executed)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for b in node.body for n in ast.walk(b)}
+    return out
+
+
+def imports(module: str, path: Path, mods: dict[str, Path]):
+    """(line, imported module, names taken from it) for every import of a module in ``mods``, at any
+    depth; ``from pkg import sub`` names the submodule ``pkg.sub``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, a.asname, ()
+        elif isinstance(node, ast.ImportFrom):
+            src = absolute(module, path, node.level, node.module)
+            rest = []
+            for a in node.names:
+                if f"{src}.{a.name}" in mods:
+                    yield node.lineno, f"{src}.{a.name}", a.asname or a.name, ()
+                else:
+                    rest.append(a.name)
+            if rest:
+                yield node.lineno, src, None, tuple(rest)
+
+
+def private_uses(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every use of another module's private name, as ``file:line: what``."""
+    ours = {m.split(".")[0] for m in mods}
+    found = []
+    for module, path in mods.items():
+        aliases = {}  # local name -> our module it is bound to
+        for line, target, alias, names in imports(module, path, mods):
+            if target.split(".")[0] not in ours:
+                continue
+            parts = target.split(".")
+            for i, part in enumerate(parts):
+                # a private module is private to its package: nsa._x may be imported within nsa only
+                if private(part) and not module.startswith(".".join(parts[:i]) + "."):
+                    found.append(f"{path.relative_to(root)}:{line}: imports the private module {target}")
+                    break
+            found += [f"{path.relative_to(root)}:{line}: from {target} import {n}" for n in names if private(n)]
+            if alias is not None and target in mods:
+                aliases[alias] = target
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and aliases[node.value.id] != module):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(set(found))
+
+
+def import_cycles(mods: dict[str, Path]) -> list[list[str]]:
+    """The import graph's cycles among ``mods``: one per strongly connected component of two or more
+    modules (or a module importing itself), as that component's sorted module names."""
+    graph = {m: set() for m in mods}
+    for module, path in mods.items():
+        for _, target, _, _ in imports(module, path, mods):
+            while target and target not in mods:  # from nsa.x import f: the module nsa.x
+                target = target.rpartition(".")[0]
+            if target:
+                graph[module].add(target)
+    # Tarjan's strongly connected components
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph[v]:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_private_name_crosses_a_module():
+    assert private_uses(module_files()) == []
+
+
+def test_no_import_cycles_in_nsa_and_experiments():
+    assert import_cycles(module_files(("nsa", "experiments"))) == []
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("files, want", [
+    ({"pkg/__init__.py": "", "pkg/a.py": "from .b import _x\n", "pkg/b.py": "_x = 1\n"},
+     ["pkg/a.py:1: from pkg.b import _x"]),
+    ({"pkg/__init__.py": "", "pkg/a.py": "def f():\n    from pkg import b\n    return b._x\n", "pkg/b.py": "_x = 1\n"},
+     ["pkg/a.py:3: pkg.b._x"]),
+    ({"pkg/__init__.py": "", "pkg/_c.py": "y = 1\n", "pkg/a.py": "from ._c import y\n",
+      "other/__init__.py": "", "other/d.py": "from pkg._c import y\n"},
+     ["other/d.py:1: imports the private module pkg._c"]),
+    ({"pkg/__init__.py": "", "pkg/a.py": "_x = 1\nprint(_x)\nimport os\nos._exit\n"}, []),
+])
+def test_private_uses_finds_each_form(tmp_path, files, want):
+    """The checker itself: each form of a cross-module private use is found, and nothing else."""
+    write(tmp_path, files)
+    packages = sorted({name.split("/")[0] for name in files})
+    assert private_uses(module_files(packages, tmp_path), tmp_path) == want
+
+
+def test_import_cycles_finds_a_deferred_cycle(tmp_path):
+    """A cycle closed by an import inside a function is still a cycle; a chain is not."""
+    write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from .b import f\n",
+                     "pkg/b.py": "def f():\n    from .a import g\n", "pkg/c.py": "from pkg import a\n"})
+    assert import_cycles(module_files(("pkg",), tmp_path)) == [["pkg.a", "pkg.b"]]
+
+
+def path_edits(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every change to ``sys.path`` (a call of one of its methods, or an assignment to it)."""
+    found = []
+    for path in mods.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                target = node.func.value
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if target is not None and ast.unparse(target) == "sys.path":
+                found.append((str(path.relative_to(root)), node.lineno, ast.unparse(node)))
+    return [f"{f}:{line}: {what}" for f, line, what in sorted(found)]
+
+
+def test_no_module_edits_sys_path():
+    """Scripts import nsa and experiments as installed (pip install -e .), not through sys.path."""
+    assert path_edits(module_files()) == []
+    assert path_edits({"x": Path(__file__)}, REPO) == []  # this file's own mentions are strings only
+
+
+def test_path_edits_finds_insert_and_assignment(tmp_path):
+    write(tmp_path, {"pkg/a.py": "import sys\nsys.path.insert(0, 'x')\nsys.path += ['y']\nsys.modules.pop('z')\n"})
+    assert path_edits(module_files(("pkg",), tmp_path), tmp_path) == [
+        "pkg/a.py:2: sys.path.insert(0, 'x')", "pkg/a.py:3: sys.path += ['y']"]
+
+
+@pytest.mark.parametrize("script", ["check_install", "compile_check", "decode_step", "decode_variants"])
+def test_script_runs_from_elsewhere(script, tmp_path):
+    """Each script's usage line, from another directory: its imports resolve through the installed package."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / f"{script}.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: {script}.py")
+
+
+@pytest.mark.parametrize("name", ["DTYPES", "flatten"])
+def test_defined_once(name):
+    """The dtype table and the config flattener have one definition each, which the others import."""
+    where = [m for m, path in module_files(("nsa", "experiments")).items()
+             for node in ast.parse(path.read_text()).body
+             if getattr(node, "name", None) == name
+             or isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets)]
+    assert len(where) == 1, where
+
+
+def jit_names(tree: ast.Module) -> set[str]:
+    """The module's functions decorated with ``triton.jit`` (or ``jit``)."""
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+            and any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in n.decorator_list)}
+
+
+def positional_launches(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every ``kernel[grid](...)`` launch of a Triton kernel (of any module here) with positional arguments."""
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
+    kernels = set().union(*(jit_names(t) for t in trees.values()))
+    found = []
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and node.args:
+                name = node.func.value
+                name = name.attr if isinstance(name, ast.Attribute) else getattr(name, "id", None)
+                if name in kernels:
+                    found.append(f"{mods[m].relative_to(root)}:{node.lineno}: {name}, {len(node.args)} positional")
+    return sorted(found)
+
+
+def test_kernel_launches_pass_keywords():
+    """A launch names every argument (kernels take 25-50): a shifted argument cannot pass unseen."""
+    assert positional_launches(module_files()) == []
+
+
+def test_positional_launches_finds_them(tmp_path):
+    write(tmp_path, {"pkg/k.py": "import triton\n@triton.jit\ndef kern(A, n, B: tl.constexpr):\n    pass\n"
+                                 "def run(a):\n    kern[(1,)](A=a, n=1, B=2)\n    kern[(1,)](a, 1, B=2)\n"
+                                 "    table = {}\n    table['x'](a)\n",
+                     "pkg/u.py": "from . import k\ndef go(a):\n    k.kern[(2,)](a, n=1, B=2)\n"})
+    assert positional_launches(module_files(("pkg",), tmp_path), tmp_path) == [
+        "pkg/k.py:7: kern, 2 positional", "pkg/u.py:3: kern, 1 positional"]
+
+
+def missing_docs(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Public functions and methods (of public classes) without a docstring; a property's setter shares
+    its getter's."""
+    found = []
+
+    def visit(body, path, prefix=""):
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not private(n.name) \
+                    and not n.name.startswith("__") \
+                    and not any(ast.unparse(d).endswith(".setter") for d in n.decorator_list) \
+                    and ast.get_docstring(n) is None:
+                found.append(f"{path.relative_to(root)}:{n.lineno}: {prefix}{n.name}")
+            if isinstance(n, ast.ClassDef) and not private(n.name):
+                visit(n.body, path, f"{prefix}{n.name}.")
+
+    for path in mods.values():
+        visit(ast.parse(path.read_text(), str(path)).body, path)
+    return sorted(found)
+
+
+def test_public_functions_of_nsa_have_docstrings():
+    assert missing_docs(module_files(("nsa",))) == []
+
+
+def test_backend_protocol_says_arguments_and_returns():
+    """Each method of nsa.dispatch.Backend, the contract every backend implements, documents both."""
+    tree = ast.parse((REPO / "nsa" / "dispatch.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Backend"]
+    methods = {n.name: ast.get_docstring(n) or "" for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert len(methods) == 8
+    assert [m for m, doc in methods.items() if "Arguments:" not in doc or "Returns:" not in doc] == []
+
+
+def test_missing_docs_finds_functions_and_methods(tmp_path):
+    write(tmp_path, {"pkg/a.py": 'def f():\n    pass\ndef g():\n    """Doc."""\ndef _h():\n    pass\n'
+                                 'class C:\n    def m(self):\n        pass\n    @property\n    def p(self):\n'
+                                 '        """Doc."""\n    @p.setter\n    def p(self, v):\n        pass\n'})
+    assert missing_docs(module_files(("pkg",), tmp_path), tmp_path) == ["pkg/a.py:1: f", "pkg/a.py:8: C.m"]
