@@ -24,6 +24,8 @@ import torch
 from nsa import NSAAttention, functional
 from nsa.dispatch import BRANCHES
 
+from .selections import tile_sharing
+
 
 class _GateHooks:
     """Forward hooks on the layers' gate MLPs (``self._handles``), removed together."""
@@ -221,8 +223,6 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
         mass.append(mass_in_selected(m, i))
         recall.append(topn_recall(m, i, c.n_sel, r0 + a, c.l_sel))
     mass, recall = torch.cat(mass, 1), torch.cat(recall, 1)  # [B,rows,HQ], [B,rows,H]
-    from .selections import tile_sharing  # selections imports this module
-
     out = {"mass": float(mass.mean()), "recall": float(recall.mean()), "share": tile_sharing(idx, min(64, rows))}
     if answers is not None:
         if answers.shape != (B, rows):

@@ -19,8 +19,6 @@ import torch
 
 from nsa import NSAAttention, reference
 
-from . import probes
-
 
 def tile_sharing(indices: torch.Tensor, tile: int, *, q_start: int = 0, l_sel: int | None = None, n_init: int = 0,
                  n_local: int = 0, picked: bool = False) -> float:
@@ -75,16 +73,24 @@ def save(model, task_at, lengths, layer: int, path, device, autocast) -> dict[st
     target, c = layers[layer], layers[layer].config
     out, stats = {"config": repr(c)}, {}
     model.eval()
-    for T in lengths:
-        tokens, _ = task_at(T).batch("val", 0, 1)
-        with probes.layer_inputs([target]) as xs, autocast():
-            model(tokens.to(device))
-        idx = layer_selections(target, xs[0])
-        out[f"T{T}"] = idx[0].to(torch.int32).cpu()
-        tile = min(64, T)
-        stats[f"share_T{T}"] = tile_sharing(idx, tile)
-        stats[f"share_picked_T{T}"] = tile_sharing(idx, tile, l_sel=c.l_sel, n_init=c.n_init, n_local=c.n_local,
-                                                   picked=True)
+    seen = []
+    hook = target.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    try:
+        for T in lengths:
+            tokens, _ = task_at(T).batch("val", 0, 1)
+            with autocast():
+                model(tokens.to(device))
+            _record(out, stats, T, layer_selections(target, seen.pop()), c)
+    finally:
+        hook.remove()
     model.train()
     torch.save(out, path)
     return stats
+
+
+def _record(out: dict, stats: dict, T: int, idx: torch.Tensor, c) -> None:
+    """One length's selections into ``out`` and their tile sharing into ``stats``."""
+    out[f"T{T}"] = idx[0].to(torch.int32).cpu()
+    tile = min(64, T)
+    stats[f"share_T{T}"] = tile_sharing(idx, tile)
+    stats[f"share_picked_T{T}"] = tile_sharing(idx, tile, l_sel=c.l_sel, n_init=c.n_init, n_local=c.n_local, picked=True)

@@ -55,9 +55,10 @@ class NSACacheLayer(CacheLayerMixin):
         self.nsa_cache: NSACache | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
-        pass
+        """transformers' hook before a layer's first update: nothing (the NSA cache is made on the first append)."""
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """transformers' dense key/value update: refused, an NSA layer appends through :meth:`append`."""
         raise RuntimeError("NSACacheLayer: an NSA layer keeps its own keys and values (NSACacheLayer.append)")
 
     def append(self, layer: NSAAttention, x: torch.Tensor) -> torch.Tensor:
@@ -77,15 +78,19 @@ class NSACacheLayer(CacheLayerMixin):
         return layer(x, self.nsa_cache)
 
     def get_seq_length(self) -> int:
+        """Tokens cached (0 before the first append)."""
         return 0 if self.nsa_cache is None else self.nsa_cache.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """transformers' mask shape for ``query_length`` new tokens: (keys seen, offset 0)."""
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
+        """-1: no fixed maximum (the cache grows by doubling)."""
         return -1
 
     def reset(self) -> None:
+        """Empty the cache (its buffers kept)."""
         if self.nsa_cache is not None:
             self.nsa_cache.reset()
 
@@ -103,15 +108,19 @@ class NSACacheLayer(CacheLayerMixin):
             self.nsa_cache = NSACache(*(fn(getattr(c, f)) for f in _BUFFERS), max_len=c.max_len, length=c.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: the cache's rows reordered by ``beam_idx``."""
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times (generate's expansion for beams or samples)."""
         self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """The rows ``indices`` kept."""
         self._map(lambda t: t[indices])
 
     def offload(self):
+        """Refused: the NSA cache stays on its device."""
         raise NotImplementedError("NSACacheLayer: cache offloading is not supported")
 
     prefetch = offload
@@ -146,6 +155,8 @@ class NSASelfAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 cache=None, **kwargs):
+        """transformers' attention call: ``(NSA's output, None)``; with a cache, the tokens are appended to this
+        layer's :class:`NSACacheLayer` and attend to those before them."""
         kv = cache if cache is not None else past_key_values  # transformers 5.24 renamed it `cache`
         if kv is None:
             return self.nsa(hidden_states), None
