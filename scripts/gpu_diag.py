@@ -5,7 +5,7 @@
     python3 scripts/gpu_diag.py compile   # one cmp kernel check twice: compile time vs run time
     python3 scripts/gpu_diag.py varlen    # the whole layer: 12 packed documents vs one sequence of 64k tokens
 
-Run from the repository root (it imports tests/kernel_cases.py); STEPS=diag bash scripts/h200_session.sh.
+Run from the repository root (it imports tests/kernel_cases.py); bash scripts/bench.sh diag.
 """
 import sys
 import time
