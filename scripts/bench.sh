@@ -55,7 +55,7 @@ PRINT=false
 [ "${1:-}" = "--print" ] && { PRINT=true; shift; }
 case "${1:-}" in
   --list) column -t -s'|' <<<"$STEPS_TABLE" 2>/dev/null || tr '|' '\t' <<<"$STEPS_TABLE"; exit 0;;
-  -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0;;  # the header
   "") echo "bench.sh: no step given; usage: bash scripts/bench.sh <step> [<step> ...] (--list names the steps)" >&2; exit 2;;
 esac
 for s in "$@"; do

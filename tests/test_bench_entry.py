@@ -36,6 +36,8 @@ def test_list_names_each_step_once_with_a_description():
     assert len(names) == len(set(names)) >= 30
     assert {"decode-card", "prefill-layer", "sel-layer", "cmp-layer", "train-shapes", "validate", "cp-prefill"} <= set(names)
     assert all(len(ln.split()) > 3 for ln in r.stdout.splitlines())  # a name and what it runs
+    h = bench("--help")
+    assert h.returncode == 0 and "bash scripts/bench.sh --list" in h.stdout and "set -u" not in h.stdout
 
 
 @pytest.mark.parametrize("args,says", [
