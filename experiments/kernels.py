@@ -32,10 +32,8 @@ from nsa.backends.triton import tuning
 
 from . import ops
 from .framework import Job, Result, launch, run_job
-from .framework.config import register_tuning_group, tuning_overrides
+from .framework.config import tuning_overrides
 from .ops.bench import Bench
-
-register_tuning_group()
 
 
 def work(job: Job) -> Result:

@@ -35,7 +35,7 @@ from nsa.backends.triton import tuning
 
 from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
-from .framework.config import register_tuning_group, tuning_overrides
+from .framework.config import tuning_overrides
 from .measure.branches import core, selection_indices
 from .measure.dense import dense_attention
 from .measure.inputs import prefill_inputs
@@ -148,7 +148,6 @@ def cp_work(job: Job) -> Result:
     return Result(rows, metrics, headline=headline, tags=tags)
 
 
-register_tuning_group()
 SHARING_TILES = (2, 4, 8)  # query rows per tile of the block-sharing metrics
 
 

@@ -9,7 +9,7 @@
 
 From the repository root with the project installed: it takes its cases from the test suite
 (tests/kernel_cases.py, which imports tests/conftest.py), hence tests/ on PYTHONPATH;
-STEPS=diag bash scripts/h200_session.sh runs all three.
+`bash scripts/bench.sh diag` runs all three.
 """
 import sys
 import time

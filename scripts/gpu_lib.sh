@@ -1,4 +1,4 @@
-# Sourced by the scripts/h100_*.sh drivers: the wheelhouse install on a GPU host without network (the device
+# Sourced by scripts/bench.sh (and any GPU-box command list): the wheelhouse install on a GPU host without network (the device
 # tool's boxes), `run`, which runs one entry point into $OUT/<db>.db and prints its summary table, and $trees,
 # the trees of a before/after (AB=).
 # Needs the wheelhouse (python scripts/wheelhouse.py --dest .whl).

@@ -129,9 +129,24 @@ def _release_gpu_memory(request):
         torch.cuda.empty_cache()
 
 
+# The quick tier (``pytest -m quick``, the README's Quickstart): in-process tests of the reference, the configs,
+# the models and the README, and the Triton kernels' interpreted twin of the GPU tests; a few minutes on 2
+# cores. Named here, not by default: a new module joins the full suite only, so the tier stays quick; a test
+# marked ``slow`` stays out of it.
+QUICK_MODULES = frozenset(f"test_{m}.py" for m in (
+    "conf", "lm_conf", "core_dense", "core_errors", "core_module", "core_oracle", "core_select", "core_varlen",
+    "core_training", "flex_mask", "numerics", "parity_ties", "lm_data", "lm_model", "lm_probes", "sweep_parts",
+    "block_sharing", "ragged_decode", "backends_sdpa", "toolchain", "decode_memory", "triton_gate", "readme",
+    "kernels_interpret"))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run compiled kernels on CUDA: without a CUDA device they are deselected (reported
-    as deselected, never as passed or skipped)."""
+    """Tests of QUICK_MODULES not marked ``slow`` get the ``quick`` marker. Tests marked ``gpu`` run compiled
+    kernels on CUDA: without a CUDA device they are deselected (reported as deselected, never as passed or
+    skipped)."""
+    for item in items:
+        if item.path.name in QUICK_MODULES and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -8,13 +8,12 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import entrypoints
 import pytest
-from entrypoints import ENTRIES, REPO, argv, documented_commands, one_line, start, wait
+from entrypoints import ENTRIES, REPO, argv, cores, documented_commands, one_line, run_bounded, start, wait
 from mlflow import MlflowClient
 
 from experiments.framework import cli, hardware, sweep
@@ -93,64 +92,73 @@ def _git_copy(tmp: Path) -> Path:
     return tmp / "copy"
 
 
+def _doc_command(tmp: Path, cmd: str) -> subprocess.Popen:
+    args, extra = argv(cmd)
+    return subprocess.Popen([sys.executable, *args], cwd=tmp, env=entrypoints.env(**extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """Every command at once (each is mostly interpreter start-up); (tmp, rc, stdout, stderr, seconds)."""
+    """Every command, as many at once as this machine has cores (each is mostly interpreter start-up);
+    (tmp, rc, stdout, stderr, seconds)."""
     template = entrypoints.make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
-    procs, t0 = {}, time.perf_counter()
+    procs = {}  # name -> (tmp, a function that starts the process)
     for k, (entry, args, _) in ONE_LINE.items():
         tmp = tmp_path_factory.mktemp(k)
-        procs[k] = (tmp, start(tmp, entry, *args, name=k))
+        procs[k] = (tmp, partial(start, tmp, entry, *args, name=k))
     for cmd in local_commands():  # as written, each in a directory of its own (the default store)
         tmp = tmp_path_factory.mktemp("doc")
         shutil.copy(template, tmp / "mlflow.db")
-        args, extra = argv(cmd)
-        procs[cmd] = (tmp, subprocess.Popen([sys.executable, *args], cwd=tmp, env=entrypoints.env(**extra),
-                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[cmd] = (tmp, partial(_doc_command, tmp, cmd))
     tmp = tmp_path_factory.mktemp("help")
-    procs["help_sweep"] = (tmp, start(tmp, "decode", "--help", "-m", "seq=1,2", "hydra.verbose=false", name=None,
-                                      store=False))
+    procs["help_sweep"] = (tmp, partial(start, tmp, "decode", "--help", "-m", "seq=1,2", "hydra.verbose=false", name=None,
+                                        store=False))
     # MLFLOW_TRACKING_URI is the store unless tracking.uri is given; hydra.* overrides on both sides of -m.
     tmp = tmp_path_factory.mktemp("env_uri")
     shutil.copy(template, tmp / "env.db")
     shutil.copy(template, tmp / "cli.db")
     env_uri = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'env.db'}"}
-    procs["env_uri"] = (tmp, start(tmp, "decode", "hydra.job.chdir=false", "-m", "seq=64", "decode.per_branch=false",
-                                   f"hydra.sweep.dir={tmp / 'env'}", name=None, store=False, extra_env=env_uri))
-    procs["cli_uri"] = (tmp, start(tmp, "decode", "seq=64", "decode.per_branch=false", f"tracking.uri=sqlite:///{tmp / 'cli.db'}",
-                                   name="cli", store=False, extra_env=env_uri))
+    procs["env_uri"] = (tmp, partial(start, tmp, "decode", "hydra.job.chdir=false", "-m", "seq=64", "decode.per_branch=false",
+                                     f"hydra.sweep.dir={tmp / 'env'}", name=None, store=False, extra_env=env_uri))
+    procs["cli_uri"] = (tmp, partial(start, tmp, "decode", "seq=64", "decode.per_branch=false",
+                                     f"tracking.uri=sqlite:///{tmp / 'cli.db'}", name="cli", store=False, extra_env=env_uri))
     tmp = tmp_path_factory.mktemp("git_copy")
-    procs["git_copy"] = (tmp, start(tmp, "decode", "seq=64", "decode.per_branch=false", name="x", template=template,
-                                    repo=_git_copy(tmp)))
+    procs["git_copy"] = (tmp, partial(start, tmp, "decode", "seq=64", "decode.per_branch=false", name="x", template=template,
+                                      repo=_git_copy(tmp)))
     # The sweep's parent cannot be created (its experiment is deleted): the sweep must not start.
     tmp = tmp_path_factory.mktemp("parent_fails")
     shutil.copy(template, tmp / "mlflow.db")
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
     c.delete_experiment(c.create_experiment("nsa-decode"))
-    procs["parent_fails"] = (tmp, start(tmp, "decode", "-m", "seq=64,128", name="x"))
-    return _finish(procs, t0)
+    procs["parent_fails"] = (tmp, partial(start, tmp, "decode", "-m", "seq=64,128", name="x"))
+    return _finish(procs)
 
 
-def _finish(procs: dict, t0: float) -> dict:
-    """name -> (tmp, rc, stdout, stderr, seconds from t0 to this process's exit)."""
-
-    def one(item):
-        k, (tmp, p) = item
-        rc, o, e = wait(p)
-        return k, (tmp, rc, o, e, time.perf_counter() - t0)
-
-    with ThreadPoolExecutor(len(procs)) as pool:
-        return dict(pool.map(one, procs.items()))
+def _finish(procs: dict) -> dict:
+    """name -> (tmp, rc, stdout, stderr, seconds from this process's start to its exit)."""
+    done = run_bounded({k: launch for k, (_, launch) in procs.items()})
+    return {k: (procs[k][0], rc, o, e, end - t0) for k, (rc, o, e, t0, end) in done.items()}
 
 
 @pytest.fixture(scope="module")
 def store_down_runs(tmp_path_factory):
     """The store failures alone (after the big batch): their time is the claim under test."""
-    procs, t0 = {}, time.perf_counter()
+    procs = {}
     for k, (args, _) in STORE_DOWN.items():
         tmp = tmp_path_factory.mktemp(k)
-        procs[k] = (tmp, start(tmp, "decode", *args, name=k, store=False))
-    return _finish(procs, t0)
+        procs[k] = (tmp, partial(start, tmp, "decode", *args, name=k, store=False))
+    return _finish(procs)
+
+
+def test_processes_run_at_most_as_many_at_once_as_there_are_cores():
+    n = cores() + 2
+    done = run_bounded({i: partial(subprocess.Popen, [sys.executable, "-c", "import time; time.sleep(1.5)"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)})
+    assert sorted(done) == list(range(n)) and all(rc == 0 for rc, *_ in done.values())
+    spans = [(t0, end) for _, _, _, t0, end in done.values()]
+    at_once = max(sum(a <= t < b for a, b in spans) for t, _ in spans)  # alive at each process's start
+    assert at_once == min(n, cores())
 
 
 @pytest.mark.parametrize("case", ONE_LINE)
@@ -223,8 +231,8 @@ def test_a_gpu_profile_is_never_timed_on_a_cpu(tmp_path):
     procs = {}
     for k, (entry, args) in GPU_PROFILE_ON_CPU.items():
         (tmp_path / k).mkdir()
-        procs[k] = (tmp_path / k, start(tmp_path / k, entry, *args, name=k, template=template))
-    for k, (tmp, rc, _out, err, _) in _finish(procs, time.perf_counter()).items():
+        procs[k] = (tmp_path / k, partial(start, tmp_path / k, entry, *args, name=k, template=template))
+    for k, (tmp, rc, _out, err, _) in _finish(procs).items():
         lines, name = one_line(err), GPU_PROFILE_ON_CPU[k][1][0]
         assert rc == 2 and len(lines) == 1, (k, err[-2000:])
         assert lines[0].startswith(f"config error: {name}: a GPU profile is timed on its GPU only"), (k, lines[0])

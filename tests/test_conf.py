@@ -1,6 +1,8 @@
 """Every config group composes, and each composed config validates (or fails) as documented."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,25 @@ def _hydra():
 
 def _compose(entry, overrides=(), hydra_cfg=False):
     return compose(config_name=entry, overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+# A fresh interpreter that imports nothing of this project: the config groups come from conf/ and from Hydra's
+# plugin scan (hydra_plugins/nsa_configs), not from whichever entry point a test happened to import first.
+FRESH_COMPOSE = """
+import sys
+from hydra import compose, initialize_config_dir
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    for entry in ("prefill", "kernels"):
+        cfg = compose(config_name=entry, overrides=["tuning.selection.warps=2"])
+        assert cfg.tuning.selection.warps == 2, cfg.tuning
+assert not any(m == "experiments" or m.startswith("experiments.") for m in sys.modules), "imported experiments"
+print("composed")
+"""
+
+
+def test_tuning_group_composes_without_importing_an_entry_point():
+    r = subprocess.run([sys.executable, "-c", FRESH_COMPOSE, str(CONF)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "composed", r.stderr[-2000:]
 
 
 def test_groups_are_the_documented_decisions():

@@ -180,3 +180,21 @@ def test_lm_hf_refuses_the_selection_loss_in_one_line(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "train.recipe.sel_loss=1: lm=hf does not take" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("jobs", sorted((ROOT / "scripts" / "train_jobs").glob("*.txt")), ids=lambda p: p.name)
+def test_the_committed_job_files_compose(jobs):
+    """Every job of the files `bash scripts/bench.sh train-jobs` runs (BENCHMARKS.md's recipe figures) is a valid
+    training config, and the ingredient ablation's names say what it switches."""
+    lines = [ln.split() for ln in jobs.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines
+    for name, *overrides in lines:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = RunConfig.from_conf(compose("train", overrides))
+        r, gb = cfg.train.recipe, cfg.lm.attention_config().gate_bias
+        if name.startswith("s_plain_"):
+            assert (r.gate_lr, r.sel_loss, gb) == (1.0, 0.0, None), name
+        if name.startswith(("L_gblr_sl", "s_gblr_sl_")) and "mean" not in name and "slq" not in name:
+            assert (r.gate_lr, r.sel_loss, gb) == (0.1, 1.0, (3.0, 3.0, 3.0)), name
+        if name.startswith("L_sl"):
+            assert (r.gate_lr, r.sel_loss, gb) == (1.0, 1.0, None), name

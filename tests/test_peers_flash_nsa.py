@@ -1,6 +1,6 @@
 """The flash_nsa peer of ``experiments.prefill`` (experiments/peers.py): why it is skipped, that only its ops are
 imported (not the package's ``__init__``), and what its row calls, with a stand-in package on the CPU (the real
-kernels run on CUDA: scripts/h100_cmp.sh's peers step)."""
+kernels run on CUDA: bash scripts/bench.sh cmp-peers)."""
 from __future__ import annotations
 
 import sys

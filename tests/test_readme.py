@@ -74,6 +74,23 @@ def test_quickstart_has_exactly_two_command_lines():
         assert line in ci.splitlines(), f".ci/run must run the README's line as written: {line}"
 
 
+QUICK_TIER = "TRITON_INTERPRET=1 python -m pytest -q -m quick"
+
+
+def test_quickstart_names_the_quick_tier_and_ci_runs_it_before_the_suite():
+    quick = " ".join(README.read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0].split())
+    assert f"`{QUICK_TIER}`" in quick
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    assert ci.index(QUICK_TIER) < ci.index(_quickstart_lines()[1])
+
+
+def test_the_quick_tier_names_modules_that_exist():
+    import conftest
+
+    tests = README.parent / "tests"
+    assert len(conftest.QUICK_MODULES) >= 20 and all((tests / m).is_file() for m in conftest.QUICK_MODULES)
+
+
 def test_quickstart_installs_a_supported_pair():
     from nsa.toolchain import supported_ids, toolchain_id
 

@@ -150,17 +150,6 @@ def check_types(cfg: DictConfig) -> None:
                 raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
 
 
-def register_tuning_group() -> None:
-    """Config group ``tuning`` (option ``none``: no overrides), for the entry points whose defaults list it
-    (kernels, prefill): a node without OmegaConf's struct flag, so ``tuning.<op>.<key>=...`` needs no "+"
-    (:func:`check_tuning` checks the keys ``nsa.backends.triton.tuning.KEYS`` has)."""
-    from hydra.core.config_store import ConfigStore
-
-    node = OmegaConf.create({})
-    OmegaConf.set_struct(node, False)
-    ConfigStore.instance().store(group="tuning", name="none", node=node)
-
-
 def tuning_overrides(cfg: DictConfig) -> dict:
     """The job's ``tuning`` node as a plain dict ({} where the entry point has none)."""
     return OmegaConf.to_container(cfg.tuning, resolve=True) if "tuning" in cfg else {}
