@@ -259,16 +259,20 @@ step_train_jobs() {
   tar czf "$OUT/train_runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"
 }
 step_ablations() {
-  # P: the paper's choices (one projection per branch, phi = MLP, n_sel = 4, free gates); S: the preset's switches
+  # P: the paper's method without the recipe (one projection per branch, phi = MLP, n_sel = 4, free gates); S: the
+  # switches the preset used before the recipe (shared K/V, mean pooling, l = 8, gates held 300 steps)
   local - N=${STEPS_N:-1000} T=${T_SWEEP:-560}
   set -f  # [cmp],[sel] are overrides, not globs
   local base=(hardware="$HW" dtype=float32 train=needles_smoke train.steps="$N" train.ckpt_every="$N" train.eval_every=100
               train.time_limit_s="${LIMIT_S:-170}")
-  local P=(lm.nsa.shared_kv=false lm.nsa.phi=mlp lm.nsa.n_sel=4 train.gates_open_steps=0)
+  local P=(lm.nsa.shared_kv=false lm.nsa.phi=mlp lm.nsa.n_sel=4 train.gates_open_steps=0 lm.nsa.gate_bias=null
+           train.recipe.gate_lr=1 train.recipe.sel_loss=0)
+  local S=(lm.nsa.shared_kv=true lm.nsa.phi=avg lm.nsa.l=8 train.gates_open_steps=300 lm.nsa.gate_bias=null
+           train.recipe.gate_lr=1 train.recipe.sel_loss=0)
   local -A sweeps=(
     [p_selection]="attention=nsa ${base[*]} ${P[*]} train.ablation.selection=topn,full,oracle"
     [p_branches]="attention=nsa ${base[*]} ${P[*]} train.ablation.branches=[cmp],[sel],[win]"
-    [s_selection]="attention=nsa ${base[*]} train.ablation.selection=topn,full,oracle"
+    [s_selection]="attention=nsa ${base[*]} ${S[*]} train.ablation.selection=topn,full,oracle"
     [p_full_sel]="attention=nsa,dense ${base[*]} ${P[*]} train.ablation.branches=[sel] train.ablation.selection=full"
     [p_switches]="attention=nsa ${base[*]} ${P[*]} lm.nsa.shared_kv=false,true lm.nsa.phi=mlp,avg"
     [p_nsel_gates]="attention=nsa ${base[*]} ${P[*]} lm.nsa.n_sel=8 train.gates_open_steps=0,300"

@@ -1,4 +1,4 @@
-"""One row per training run of a folder of MLflow stores (scripts/train_recipe.sh writes one SQLite store per
+"""One row per training run of a folder of MLflow stores (`bash scripts/bench.sh train-jobs` writes one SQLite store per
 run, <name>.db): the run's name, status, attention, seed, its held-out accuracy curve and final figures.
 
     python scripts/train_summary.py <folder> [--csv out.csv]
