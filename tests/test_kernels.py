@@ -48,10 +48,12 @@ G16 = ["model.nsa.n_heads=16", "model.nsa.n_kv_heads=1"]
 FLA_AT = ("fla's kernels run on CUDA only" if importlib.util.find_spec("fla") else
           'fla-core is not installed (pip install -e ".[peers]")')
 PEER_SKIPS = {
-    "decode_small_group": ("decode", ["seq=64", "decode.per_branch=false"], "fla needs G = n_heads / n_kv_heads >= 16"),
-    "prefill_l_ne_d": ("prefill", [*G16, "seq=64", "prefill.per_branch=false"], "fla compresses blocks of l = d = l_sel"),
-    "prefill_fla_shape": ("prefill", [*G16, "model.nsa.l=16", "model.nsa.d=16", "seq=64", "prefill.per_branch=false"],
-                          FLA_AT),
+    "decode_small_group": ("decode", ["seq=64", "decode.per_branch=false", "decode.peers=[fla]"],
+                           "fla needs G = n_heads / n_kv_heads >= 16"),
+    "prefill_l_ne_d": ("prefill", [*G16, "seq=64", "prefill.per_branch=false", "prefill.peers=[fla]"],
+                       "fla compresses blocks of l = d = l_sel"),
+    "prefill_fla_shape": ("prefill", [*G16, "model.nsa.l=16", "model.nsa.d=16", "seq=64", "prefill.per_branch=false",
+                                      "prefill.peers=[fla]"], FLA_AT),
 }
 
 
@@ -202,3 +204,12 @@ def test_fla_reasons_in_order():
     assert "n_init=2" in peers.fla_unavailable(NSAConfig(**{**base, "n_init": 2}), cpu)
     assert FLA_AT in peers.fla_unavailable(NSAConfig(**base), cpu)
     assert set(peers.BUILD) == set(config.PREFILL_PEERS) and set(config.PEERS) <= set(peers.BUILD)
+
+
+def test_a_run_that_names_no_peer_says_nothing_of_peers(runs):
+    """prefill.peers defaults to none: no `[peers]` line and no peer tag where the user asked for no peer."""
+    tmp, rc, out, err = runs["prefill_tuning"]
+    assert rc == 0, err[-3000:]
+    assert "[peers]" not in out + err
+    _, (r,) = entrypoints.runs(tmp / "mlflow.db", "prefill")
+    assert not [t for t in r.data.tags if t.startswith("peer_")]
