@@ -213,3 +213,17 @@ def test_a_run_that_names_no_peer_says_nothing_of_peers(runs):
     assert "[peers]" not in out + err
     _, (r,) = entrypoints.runs(tmp / "mlflow.db", "prefill")
     assert not [t for t in r.data.tags if t.startswith("peer_")]
+
+
+def test_the_correctness_figures_are_on_the_screen_and_in_the_summary(runs):
+    """Each op's check against the reference is printed beside its timings, and its worst rel-L2 is a headline."""
+    tmp, rc, out, err = runs["ops"]
+    assert rc == 0, err[-3000:]
+    for op in OPS:
+        line = next((ln for ln in (out + err).splitlines()
+                     if f"[kernels] op={op} " in ln and "check against the reference" in ln), "")
+        assert "rel_l2" in line or "index_mismatch" in line, (op, err[-3000:])
+    c, rs = entrypoints.runs(tmp / "mlflow.db", "kernels")
+    children = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
+    assert children and all(0 <= r.data.metrics["0_check_worst_rel_l2"] < 1e-3 for r in children
+                            if any(k.endswith("_rel_l2") for k in r.data.metrics))

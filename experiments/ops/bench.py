@@ -122,6 +122,13 @@ class Bench:
     def result(self) -> Result:
         first = self.rows[0] if self.rows else {}  # the op's own kernel
         headline = {k: first[k] for k in ("fwd_p50_ms", "fwd_bwd_p50_ms") if k in first}
+        checks = {k.removeprefix("check_"): v for k, v in self.metrics.items() if k.startswith("check_")}
+        if checks:  # the correctness figures on the screen and in the summary, beside the timings
+            errs = [v for k, v in checks.items() if k.endswith("_rel_l2")]
+            if errs:
+                headline["check_worst_rel_l2"] = max(errs)
+            log.info(f"[kernels] op={self.op.name} seq={self.check_seq} check against the reference (tolerance rel-L2 "
+                     f"{float(self.tol.rel_l2):g}): " + ", ".join(f"{k} {v:.3g}" for k, v in checks.items()))
         ys = ("fwd_p50_ms", "fwd_bwd_p50_ms") if any("fwd_bwd_p50_ms" in r for r in self.rows) else ("fwd_p50_ms",)
         return Result(self.rows, self.metrics, headline=headline, failure="; ".join(self.failures) or None,
                       charts=Charts("seq_tokens", "variant", ys), tags=self.tags, texts=self.texts)
