@@ -206,10 +206,10 @@ def cp_work(job: Job) -> Result:
 
 
 def work(job: Job) -> Result:
+    check_fits(job)
     if job.cp is not None:  # parallel.cp > 1: context parallel against one device
         return cp_work(job)
     p, c, S, dev, dt = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype
-    check_fits(job)
     ref_dt = DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)
     tol = p.tol[job.cfg.dtype]
     B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v

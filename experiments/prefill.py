@@ -174,10 +174,10 @@ def work(job: Job) -> Result:
 
 
 def _work(job: Job) -> Result:
+    check_fits(job)
     if job.cp is not None:  # parallel.cp > 1: the context-parallel path, timed per rank
         return cp_work(job)
     p, c, S = job.cfg.prefill, job.nsa, job.seq
-    check_fits(job)
     B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
     with torch.no_grad():

@@ -147,8 +147,8 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     a checkpoint in ``job.out_dir``), reopened instead of a new run (:func:`_earlier_run` says when
     it may be); None: a new run. A ConfigError it raises is a config error. ``fits(job)``: the entry's
     memory estimate against limits.max_memory_gib (``config.check_memory``), before the store is opened:
-    a ResourceLimit it raises refuses a single run as a config error (one line, exit 2, no run), and
-    fails a sweep's job alone (a FAILED child that says why; the sweep goes on)."""
+    a ResourceLimit it raises refuses a single run as a config error (one line, exit 2, no run). In a
+    sweep ``work`` checks it first: the job fails alone (a FAILED child with its params and the reason)."""
     t0 = time.perf_counter()
     cli.install_signal_handlers()  # a job process started by another launcher
     hc = _hydra()
@@ -162,13 +162,13 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
         check_timed_device(cfg, entry)
         job = prepare(cfg, entry)
         job.out_dir = out_dir
-        if fits is not None:
+        if fits is not None and parent is None:  # a sweep's job: work() checks it, and fails alone
             fits(job)
         if _cp(job) and parallel.rank() > 0:  # a context-parallel rank > 0: work only, rank 0 logs the run
             return _other_rank(job, entry, work)
         store = tracking.connect(job.cfg.tracking, entry, launch_dir)
         earlier = _earlier_run(store, resume(job), parent, out_dir) if resume else None
-    except (ConfigError, ResourceLimit) as e:
+    except (ConfigError, ResourceLimit) as e:  # ResourceLimit: only a single run's (fits)
         if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
                 _remove_empty_output_dir(hc)
@@ -359,20 +359,14 @@ def _log_result(client, rid: str, job: Job, res: Result, work_s: float, out: Pat
                               "backend_plan": job.plan, "fallback": job.fallback}, "environment.json")
 
 
-def _failed_validation(cfg, entry, launch_dir, parent, key, tags, e: ConfigError | ResourceLimit) -> None:
+def _failed_validation(cfg, entry, launch_dir, parent, key, tags, e: ConfigError) -> None:
     """A sweep's job whose config fails here although the sweep validated it (e.g. a profile that
-    matched the launching host, not this one), or whose memory estimate exceeds the limit: a FAILED
-    child run that says why (tag ``error``, ``error.txt``), nothing run."""
-    what = "config error" if isinstance(e, ConfigError) else "refused"
-    log.error(f"[{entry}] {what}: {e}")
+    matched the launching host, not this one): a FAILED child run that says why."""
+    log.error(f"[{entry}] config error: {e}")
     store = tracking.connect(cfg.tracking, entry, launch_dir)
     try:
         with tracking.writing(store.client):
             rid = tracking.start_run(store, f"{entry} {' '.join(key)}", parent, tags)
-        try:
-            store.client.log_text(rid, f"{type(e).__name__}: {e}\n", "error.txt")
-        except Exception as e2:  # noqa: BLE001  (the store failing: still end the run below)
-            log.error(f"[{entry}] could not record the error on the run: {one_line(e2)}")
-        tracking.end_run(store.client, rid, "FAILED", f"{type(e).__name__}: {e}")
+        tracking.end_run(store.client, rid, "FAILED", f"ConfigError: {e}")
     except tracking.StoreError as e2:
         log.error(f"[{entry}] {e2}")
