@@ -172,8 +172,10 @@ NAME_MAX = 255  # bytes of one path component on Linux and macOS file systems
 def job_dirname(name: str, limit: int = NAME_MAX) -> str:
     """``name`` (a job folder named by its overrides, ``hydra.job.override_dirname``) if it fits one path
     component, else its first bytes and a hash of the whole: the same overrides give the same folder (a
-    resumed sweep finds its checkpoints), different ones different folders. Resolver ``nsa_dirname``."""
-    return report.shortened(name, limit)
+    resumed sweep finds its checkpoints), different ones different folders. Resolver ``nsa_dirname``.
+    A value's "/" is written %2F (and "%" %25): one path component, so a value with ".." in it
+    (``tracking.experiment=x/../../y``) names a folder inside the sweep's, not one above it."""
+    return report.shortened(name.replace("%", "%25").replace("/", "%2F"), limit)
 
 
 def register() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -186,6 +187,16 @@ def connect(t: DictConfig, entry: str, launch_dir: Path) -> Store:
     return _STORES[(uri, name)]
 
 
+def artifact_folder(name: str) -> str:
+    """The folder of experiment ``name``'s artifacts under the artifact root: the name where it is one plain
+    path component, else its letters, digits and ``._-`` (others as ``_``) and a hash of the whole name, so
+    that no name (``x/../../y``, ``..``) leaves the root and different names keep different folders."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if safe == name and name.strip(".") and not name.startswith("."):
+        return name
+    return f"{safe.lstrip('.') or 'experiment'}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
 def _experiment(client, uri: str, name: str, root: str | None) -> str:
     from mlflow.exceptions import MlflowException
 
@@ -194,7 +205,7 @@ def _experiment(client, uri: str, name: str, root: str | None) -> str:
         if root is None and uri.startswith(SQLITE):
             root = (Path(uri[len(SQLITE):]).parent / "mlruns").resolve().as_uri()
         try:
-            return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None,
+            return client.create_experiment(name, artifact_location=f"{root}/{artifact_folder(name)}" if root else None,
                                             tags=EXPERIMENT_KIND)
         except MlflowException:  # created meanwhile by another process (a server store: no lock)
             exp = client.get_experiment_by_name(name)
