@@ -11,6 +11,8 @@ the sweeper (``hydra.sweeper.show``).
 """
 from __future__ import annotations
 
+import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -120,6 +122,16 @@ def normalize(argv: list[str]) -> list[str]:
         flags.remove("--resolve")
         overrides.append("hydra.sweeper.show_resolve=true")
     return overrides + flags
+
+
+def override(key: str, value: str) -> str:
+    """``key=value`` as a shell word that Hydra reads back as this value: the value in Hydra's quotes where
+    its grammar would read it otherwise (a comma makes a sweep, ``=`` and brackets do not parse), then
+    quoted for the shell (a space, a quote), so a printed command pastes back as printed."""
+    if not re.fullmatch(r"[\w./@%+~ -]*", value) or value != value.strip():
+        # Hydra's quoted string: a backslash escapes only before a quote (or the closing one)
+        value = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), value) + "'"
+    return shlex.quote(f"{key}={value}")
 
 
 def config_dirs(argv: list[str]) -> list[Path]:
