@@ -354,12 +354,33 @@ def end_run(client, rid: str, status: str, error: str | None = None) -> None:
         with writing(client):
             client.set_terminated(rid, status)
     except StoreError as e:
-        raise StoreError(f"{e}; run {rid} could not be ended {status} (once the store has room: "
+        raise StoreError(f"{e}; run {rid} could not be ended {status} ({when_back(e)}: "
                          f"python -m experiments.close_stale {rid})") from e
     finally:
         _OPEN.pop(rid, None)
     if failed:
         raise StoreError(f"{failed}; run {rid} ended {status} without its reason") from failed
+
+
+UNREACHABLE = ("Connection refused", "Failed to establish a new connection", "Name or service not known",
+               "No route to host", "Network is unreachable", "timed out")
+
+
+def when_back(e: BaseException) -> str:
+    """When a run the store failed to end can be closed, by what failed: a full disk, a server that refused
+    or did not answer the connection, or another store error."""
+    if out_of_space(e):
+        return "once the store has room"
+    seen, text = set(), ""
+    while e is not None and id(e) not in seen:  # the message and every error it came from
+        seen.add(id(e))
+        text += f" {e}"
+        if isinstance(e, ConnectionError):
+            return "the tracking server refused or dropped the connection; once it answers again"
+        e = e.__cause__ or e.__context__
+    if any(s in text for s in UNREACHABLE):
+        return "the tracking server refused or did not answer the connection; once it answers again"
+    return "once the store works again"
 
 
 def reopen(client, rid: str) -> None:
@@ -381,8 +402,8 @@ def close_open(status: str, reason: str) -> list[str]:
             closed.append(rid)
         except Exception as e:  # noqa: BLE001  (keep closing the others; the run stays for close_stale)
             _OPEN.pop(rid, None)
-            say(f"could not close run {rid}: {one_line(e)}; once the store is back: "
-                f"python -m experiments.close_stale {rid}")
+            hint = "" if "close_stale" in str(e) else f"; {when_back(e)}: python -m experiments.close_stale {rid}"
+            say(f"could not close run {rid}: {one_line(e)}{hint}")
     return closed
 
 
