@@ -119,6 +119,7 @@ class GraphDecoder:
 
     def __init__(self, module: NSAAttention, cache: NSACache, *, backend="triton", n_sm: int | None = None):
         c = self.config = module.config
+        module.check_cache(cache)  # a cache of another config: one line, not a shape error in a kernel
         self.module, self.cache = module, cache
         ref = cache.k_sel
         self.B, self.max_len, self.device, self.dtype = cache.batch_size, cache.max_len, ref.device, ref.dtype
