@@ -234,12 +234,12 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     try:
         rid = tracking.start_run(store, name, None, {"sweep": "parent"})
     except (MlflowException, OSError) as e:  # no parent: the sweep must not start
-        cli.config_exit(f"tracking store {store.uri}: cannot create the sweep's parent run: {one_line(e)}")
+        cli.config_exit(f"tracking store {store.uri}: cannot create the sweep's parent run: {tracking.hide(one_line(e))}")
     try:
         tracking.log_batch(store.client, rid, params=params, tags=tags)
     except (MlflowException, OSError) as e:
         tracking.end_run(store.client, rid, "FAILED", f"could not log the sweep's parameters: {one_line(e)}")
-        cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {one_line(e)}")
+        cli.config_exit(f"tracking store {store.uri}: cannot write the sweep's parent run: {tracking.hide(one_line(e))}")
     return rid
 
 

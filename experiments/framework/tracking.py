@@ -79,27 +79,82 @@ class Store:
         return f"mlflow ui --backend-store-uri {self.uri}  # then open http://127.0.0.1:5000/{page}"
 
 
+MASK = "***"
+_SECRETS: dict[str, str] = {}  # a URI with its password masked -> the URI itself (this process's memory only)
+
+
+def masked(uri: str) -> str:
+    """``uri`` with the password of its user info (``http://user:PW@host``) written ``***``: what the project
+    prints, logs and records (Hydra's files, params, config.yaml, logs, stdout). The URI itself is kept in
+    this process's memory, for :func:`open_client` only; a URI without a password is returned as it is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+        password = parts.password
+    except ValueError:
+        return uri
+    if not password or password == MASK:
+        return uri
+    safe = urlunsplit(parts._replace(netloc=f"{parts.username}:{MASK}@{parts.netloc.rsplit('@', 1)[1]}"))
+    _SECRETS[safe] = uri
+    _hide_in_logs()
+    env.suppress_mlflow_run_urls()
+    return safe
+
+
+def hide(text: str) -> str:
+    """``text`` with every password :func:`masked` has seen written ``***`` (e.g. MLflow's errors, which
+    quote the URI it requested)."""
+    from urllib.parse import unquote, urlsplit
+
+    for uri in _SECRETS.values():
+        pw = urlsplit(uri).password  # as written in the URI (percent-encoded), and decoded
+        for form in sorted({pw, unquote(pw)}, key=len, reverse=True):
+            text = text.replace(form, MASK)
+    return text
+
+
+class _HideSecrets(logging.Filter):
+    """On every log handler: a record's text with the passwords hidden (MLflow logs its run URLs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _SECRETS:
+            text = record.getMessage()
+            safe = hide(text)
+            if safe != text:
+                record.msg, record.args = safe, ()
+        return True
+
+
+def _hide_in_logs() -> None:
+    for lg in (logging.getLogger(), logging.getLogger("mlflow")):
+        for h in lg.handlers:
+            if not any(isinstance(f, _HideSecrets) for f in h.filters):
+                h.addFilter(_HideSecrets())
+
+
 def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
-    """(uri, origin) for the ``tracking`` config."""
+    """(uri, origin) for the ``tracking`` config; a password in the URI masked (:func:`masked`)."""
     if t.get("uri"):
-        return str(t.uri), "tracking.uri"
+        return masked(str(t.uri)), "tracking.uri"
     if env.mlflow_tracking_uri():
-        return env.mlflow_tracking_uri(), "MLFLOW_TRACKING_URI"
+        return masked(env.mlflow_tracking_uri()), "MLFLOW_TRACKING_URI"
     if t.get("name") == "server":
         raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
     return f"{SQLITE}{launch_dir / 'mlflow.db'}", "default: mlflow.db in the launch directory"
 
 
 def _cause(e: BaseException) -> str:
-    """The useful end of a store error: an OS error number and text where there is one."""
-    text = one_line(e).split(" [SQL: ")[0]  # SQLAlchemy's message goes on with the statement and its values
+    """The useful end of a store error: an OS error number and text where there is one (passwords hidden)."""
+    text = hide(one_line(e)).split(" [SQL: ")[0]  # SQLAlchemy's message goes on with the statement and its values
     m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
     return m.group(0).strip() if m else text
 
 
 def store_error(uri: str, e: BaseException) -> str:
     """One line for a failed store request: the store, and the cause (a full disk named so)."""
-    return f"tracking store {uri}: {out_of_space(e) or _cause(e)}"
+    return hide(f"tracking store {uri}: {out_of_space(e) or _cause(e)}")
 
 
 @contextlib.contextmanager
@@ -111,7 +166,7 @@ def writing(client):
     try:
         yield
     except (MlflowException, OSError) as e:
-        raise StoreError(store_error(str(getattr(client, "tracking_uri", "?")), e)) from e
+        raise StoreError(store_error(masked(str(getattr(client, "tracking_uri", "?"))), e)) from e
 
 
 class _StoreErrorsOnce(logging.Filter):
@@ -162,7 +217,7 @@ def open_client(uri: str):
         env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
         try:
             with _store_lock(uri), env.mlflow_http_probe(PROBE_TIMEOUT_S):
-                client = MlflowClient(tracking_uri=uri)
+                client = MlflowClient(tracking_uri=_SECRETS.get(uri, uri))  # the URI itself, password and all
                 client.search_experiments(max_results=1)  # creates or checks the schema; reaches a server
         except (MlflowException, OSError) as e:
             raise StoreUnavailable(f"tracking store {uri}: {_cause(e)}") from e
