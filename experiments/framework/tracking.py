@@ -134,12 +134,56 @@ def _hide_in_logs() -> None:
                 h.addFilter(_HideSecrets())
 
 
+def _server(uri: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of an http(s) URI: what a login is scoped to."""
+    from urllib.parse import urlsplit
+
+    p = urlsplit(uri)
+    return p.scheme, (p.hostname or "").lower(), p.port or {"http": 80, "https": 443}.get(p.scheme)
+
+
+def scoped_login(uri: str, credentials: str | None, launch_dir: Path) -> str:
+    """``uri`` with the login of ``tracking.credentials`` where that file names this server
+    (``mlflow_tracking_uri``: the same scheme, host and port): the URI the client uses, kept in this
+    process's memory (:data:`_SECRETS`, under ``uri`` as printed). A file for another server, or none:
+    ``uri`` unchanged, no login sent. MLflow's global credentials (its environment variables,
+    ``~/.mlflow/credentials``) are the user's own choice and left as MLflow reads them."""
+    import configparser
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    if not credentials or not uri.startswith(("http://", "https://")) or urlsplit(uri).username:
+        return uri
+    path = Path(credentials) if Path(credentials).is_absolute() else launch_dir / credentials
+    if not path.is_file():
+        return uri
+    cp = configparser.ConfigParser(interpolation=None)
+    try:
+        cp.read(path)
+        sec = cp["mlflow"]
+        owner, user, pw = (sec.get(k) for k in ("mlflow_tracking_uri", "mlflow_tracking_username",
+                                                "mlflow_tracking_password"))
+    except (OSError, configparser.Error, KeyError) as e:
+        raise ConfigError(f"tracking.credentials={credentials}: not MLflow's credentials format ({one_line(e)})") from e
+    if not owner or not user or not pw:
+        raise ConfigError(f"tracking.credentials={credentials}: needs mlflow_tracking_uri, mlflow_tracking_username "
+                          "and mlflow_tracking_password in its [mlflow] section (the login is sent to that server only)")
+    if _server(owner) != _server(uri):
+        return uri
+    p = urlsplit(uri)
+    _SECRETS[uri] = urlunsplit(p._replace(netloc=f"{quote(user, safe='')}:{quote(pw, safe='')}@{p.netloc}"))
+    _hide_in_logs()
+    env.suppress_mlflow_run_urls()
+    return uri
+
+
 def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
-    """(uri, origin) for the ``tracking`` config; a password in the URI masked (:func:`masked`)."""
+    """(uri, origin) for the ``tracking`` config; a password in the URI masked (:func:`masked`), the login of
+    ``tracking.credentials`` added for its own server only (:func:`scoped_login`)."""
     if t.get("uri"):
-        return masked(str(t.uri)), "tracking.uri"
+        return scoped_login(masked(str(t.uri)), t.get("credentials"), launch_dir), "tracking.uri"
     if env.mlflow_tracking_uri():
-        return masked(env.mlflow_tracking_uri()), "MLFLOW_TRACKING_URI"
+        return (scoped_login(masked(env.mlflow_tracking_uri()), t.get("credentials"), launch_dir),
+                "MLFLOW_TRACKING_URI")
     if t.get("name") == "server":
         raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
     return f"{SQLITE}{launch_dir / 'mlflow.db'}", "default: mlflow.db in the launch directory"
