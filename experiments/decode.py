@@ -60,7 +60,7 @@ from nsa.dispatch import BRANCHES
 from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 from .measure.branches import ForcedBranch, core, ragged_core, selection_indices
-from .measure.dense import dense_attention, dense_attention_ragged, key_mask
+from .measure.dense import dense_attention, dense_attention_ragged, key_mask, math_path
 from .measure.inputs import cache_inputs, fill_cache, fill_per_seq, ragged_inputs
 from .measure.timing import decode_launch_tags, graph_ms, graph_step, quantiles, time_ms
 from .measure.tokens import branch_tokens, formula_tokens, ragged_parts, selected_tokens, variant_tokens
@@ -102,14 +102,17 @@ def memory_parts(job: Job) -> dict[str, float]:
       nsa/backends/triton/decode_attention.py: scores and Eq. 10 sums per group, and per selected-branch program of
       the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
       module path a float32 copy of the compressed cache (the reference's upcast);
-    * ``dense``: the dense baseline's keys/values repeated to every query head, only where SDPA has no
-      ``enable_gqa`` (``nsa.compat.sdpa_gqa``; with it SDPA reads the grouped cache in place); with
+    * ``dense``: the dense baseline's keys/values repeated to every query head, where SDPA has no
+      ``enable_gqa`` (``nsa.compat.sdpa_gqa``; with it SDPA reads the grouped cache in place) or runs its math
+      kernel (``measure.dense.math_path``: a CPU where d_k != d_v; the keys once more, transposed, and the
+      scores); with
       ``decode.ragged`` instead (``measure.dense.dense_attention_ragged``, nothing repeated) the key mask (B*S
       bools), its additive float form, and the scores and probabilities of the step where SDPA keeps them
       (its math path, float32 or float64: 2*B*HQ*S); the ragged step allocates nothing else beyond the uniform one
       (row views of the same cache, per-row inputs and outputs of one token);
     * ``peers``: fla's pooled keys/values of the whole cache (``decode.peers``, where fla runs)."""
     c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
+    c = c.bounded(S)  # n_sel beyond the cache's blocks: the decoder sizes its buffers by the blocks (NSAConfig.bounded)
     B, H, HQ, G, kv = d.batch, c.n_kv_heads, c.n_heads, c.G, c.d_k + c.d_v
     acc = 8 if job.dtype == torch.float64 else 4
     Tc = c.n_cmp(S)
@@ -134,7 +137,12 @@ def memory_parts(job: Job) -> dict[str, float]:
         step = B * Tc * H * kv * 4
     ragged = bool(d.get("ragged", False))
     fla = not ragged and "fla" in d.peers and peers.fla_unavailable(c, job.device) is None
-    dense = B * S * (1 + acc) + 2 * B * HQ * S * acc if ragged else 0 if SDPA_ENABLE_GQA else B * S * HQ * kv * e
+    if ragged:
+        dense = B * S * (1 + acc) + 2 * B * HQ * S * acc
+    elif math_path(job.device, c.d_k, c.d_v):  # keys/values repeated to every head, the keys once more transposed
+        dense = B * S * HQ * (2 * c.d_k + c.d_v) * e + 3 * B * HQ * S * acc
+    else:
+        dense = 0 if SDPA_ENABLE_GQA else B * S * HQ * kv * e
     return {"cache": float(cache), "fill": float(fill), "weights": float(weights), "step": float(step),
             "dense": float(dense),
             "peers": float(2 * B * -(-S // c.l_sel) * H * kv * e if fla else 0)}
@@ -144,11 +152,18 @@ def estimate_bytes(job: Job) -> float:
     return sum(memory_parts(job).values())
 
 
+def check_fits(job: Job) -> dict[str, float]:
+    """:func:`memory_parts`, or ResourceLimit (one line, with the parts) where their sum exceeds the limit
+    (``run_job`` calls this before the run is created; ``work`` again before allocating)."""
+    mem = memory_parts(job)
+    check_memory(job, sum(mem.values()), f"decode.batch={job.cfg.decode.batch}: "
+                 + ", ".join(f"{k} {v / 2**30:.3g}" for k, v in mem.items() if v) + " GiB")
+    return mem
+
+
 def work(job: Job) -> Result:
     d, c, S = job.cfg.decode, job.nsa, job.seq
-    mem = memory_parts(job)
-    check_memory(job, sum(mem.values()), f"decode.batch={d.batch}: "
-                 + ", ".join(f"{k} {v / 2**30:.3g}" for k, v in mem.items() if v) + " GiB")
+    mem = check_fits(job)
     B, dev, dt = d.batch, job.device, job.dtype
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -337,7 +352,7 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "decode", work)
+    run_job(cfg, "decode", work, fits=check_fits)
 
 
 if __name__ == "__main__":

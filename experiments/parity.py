@@ -42,7 +42,8 @@ def estimate_bytes(job: Job) -> float:
     # reference's gathers and scores live one query chunk at a time (nsa.reference.CHUNK_BYTES, a few
     # of them alive at once in backward), so they add a constant, not a term in S.
     per_token = c.n_heads * (c.d_k + c.d_v) * 6 + c.n_kv_heads * (c.d_k + c.d_v) * 12
-    return float(B * S * per_token * 8 + 8 * reference.CHUNK_BYTES)
+    idx = 2 * B * S * c.n_kv_heads * c.bounded(S).n_sel * 8  # the reference's and the tested top-n (int64)
+    return float(B * S * per_token * 8 + 8 * reference.CHUNK_BYTES + idx)
 
 
 def cp_estimate_bytes(job: Job) -> float:
@@ -56,6 +57,12 @@ def cp_estimate_bytes(job: Job) -> float:
     return float(B * S * per_token)
 
 
+def check_fits(job: Job) -> None:
+    """ResourceLimit where the job's estimate (rank 0's under parallel.cp) exceeds the limit (``run_job``
+    calls this before the run is created)."""
+    check_memory(job, cp_estimate_bytes(job) if int(job.cfg.parallel.cp) > 1 else estimate_bytes(job))
+
+
 def _forward(be, x, c, branch, idx_ref, scale, record, streams=False):
     """Output of the gated branches (or the forced one) with the given backends; idx: ref's. All
     branches: ``nsa.functional.gated_branches``, the path ``nsa_attention`` takes (its gated sum, and
@@ -66,6 +73,7 @@ def _forward(be, x, c, branch, idx_ref, scale, record, streams=False):
         return functional.gated_branches(*(x[n] for n in TENSORS), c, {b: pick(b) for b in ("cmp", "sel", "win")},
                                          scale=scale, streams=streams, indices=idx_ref)
     S = x["k_sel"].shape[1]
+    c = c.bounded(S)  # n_sel beyond the blocks of S keys selects them all (as nsa.functional bounds it)
     outs, idx = {}, None
     if branch in ("cmp", "sel"):
         outs["cmp"], idx = pick("cmp").compressed(x["q"], x["k_cmp"], x["v_cmp"], c, scale=scale, q_start=0, n_keys=S)
@@ -144,7 +152,6 @@ def cp_work(job: Job) -> Result:
     from nsa import NSAAttention
 
     p, c, S, dev, dt, g = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype, job.cp
-    check_memory(job, cp_estimate_bytes(job))
     B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c).to(dev, dt)  # phi (the MLP of model.nsa.phi=mlp) from the seed: the same on every rank
@@ -199,10 +206,10 @@ def cp_work(job: Job) -> Result:
 
 
 def work(job: Job) -> Result:
+    check_fits(job)
     if job.cp is not None:  # parallel.cp > 1: context parallel against one device
         return cp_work(job)
     p, c, S, dev, dt = job.cfg.parity, job.nsa, job.seq, job.device, job.dtype
-    check_memory(job, estimate_bytes(job))
     ref_dt = DTYPES[p.ref_dtype] if p.ref_dtype else (torch.float64 if dev.type == "cpu" else torch.float32)
     tol = p.tol[job.cfg.dtype]
     B, H, HQ, Dk, Dv = p.batch, c.n_kv_heads, c.n_heads, c.d_k, c.d_v
@@ -283,7 +290,7 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="parity", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "parity", work)
+    run_job(cfg, "parity", work, fits=check_fits)
 
 
 if __name__ == "__main__":

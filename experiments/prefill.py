@@ -37,8 +37,8 @@ from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 from .framework.config import tuning_overrides
 from .measure.branches import core, selection_indices
-from .measure.dense import dense_attention
-from .measure.inputs import prefill_inputs
+from .measure.dense import dense_attention, math_path
+from .measure.inputs import layer_bytes, prefill_inputs
 from .measure.timing import profile_table, quantiles, time_ms
 from .measure.tokens import block_union_fraction, branch_tokens, selected_tokens, variant_tokens
 
@@ -47,9 +47,16 @@ log = logging.getLogger("experiments.prefill")
 
 
 def estimate_bytes(job: Job) -> float:
+    """The layer's activations per token (queries, outputs and their gradients, the branches' keys/values,
+    the input), the top-n's int64 indices (n_sel bounded by the blocks, ``NSAConfig.bounded``), the
+    layer's parameters, and on SDPA's math path the dense baseline's repeated keys/values and S x S scores."""
     c, B, S = job.nsa, job.cfg.prefill.batch, job.seq
     per_token = c.n_heads * (c.d_k + c.d_v) * 4 + c.n_kv_heads * (c.d_k + c.d_v) * 12 + 4 * c.dim
-    return float(B * S * per_token * job.dtype.itemsize)
+    idx = B * S * c.n_kv_heads * c.bounded(S).n_sel * 8
+    dense = 0  # the dense baseline's own tensors where SDPA runs its math kernel (measure.dense.math_path)
+    if math_path(job.device, c.d_k, c.d_v):
+        dense = B * S * c.n_heads * (2 * c.d_k + c.d_v) * job.dtype.itemsize + 3 * B * c.n_heads * S * S * 4
+    return float(B * S * per_token * job.dtype.itemsize + idx + dense) + layer_bytes(c, job.dtype.itemsize)
 
 
 def dense_variants(dense_flash: bool, c, device_type: str) -> tuple[list[str], dict[str, str]]:
@@ -65,9 +72,15 @@ def dense_variants(dense_flash: bool, c, device_type: str) -> tuple[list[str], d
 def cp_estimate_bytes(job: Job) -> float:
     """One rank's tensors: its 2C = S/cp tokens' share of :func:`estimate_bytes`, and the whole sequence's
     raw keys/values of the three branches (all-gathered) with their gradients."""
-    c, B, S, R = job.nsa, job.cfg.prefill.batch, job.seq, job.cp.world
+    c, B, S, R = job.nsa, job.cfg.prefill.batch, job.seq, int(job.cfg.parallel.cp)
     gathered = B * S * c.n_kv_heads * (c.d_k + c.d_v) * 3 * 2 * job.dtype.itemsize
     return estimate_bytes(job) / R + float(gathered)
+
+
+def check_fits(job: Job) -> None:
+    """ResourceLimit where the job's estimate (one rank's under parallel.cp) exceeds the limit (``run_job``
+    calls this before the run is created)."""
+    check_memory(job, cp_estimate_bytes(job) if int(job.cfg.parallel.cp) > 1 else estimate_bytes(job))
 
 
 def cp_work(job: Job) -> Result:
@@ -83,7 +96,6 @@ def cp_work(job: Job) -> Result:
     from nsa import context_parallel as cp
 
     p, c, S, g = job.cfg.prefill, job.nsa, job.seq, job.cp
-    check_memory(job, cp_estimate_bytes(job))
     B, dev, dt = p.batch, job.device, job.dtype
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
@@ -161,10 +173,10 @@ def work(job: Job) -> Result:
 
 
 def _work(job: Job) -> Result:
+    check_fits(job)
     if job.cp is not None:  # parallel.cp > 1: the context-parallel path, timed per rank
         return cp_work(job)
     p, c, S = job.cfg.prefill, job.nsa, job.seq
-    check_memory(job, estimate_bytes(job))
     B, dev, dt, branch = p.batch, job.device, job.dtype, job.branch
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt)
     with torch.no_grad():
@@ -255,7 +267,7 @@ def _work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "prefill", work)
+    run_job(cfg, "prefill", work, fits=check_fits)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from omegaconf import DictConfig
 from nsa.numerics import DTYPES
 
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
+from .framework.cli import override
 from .framework.config import one_line
 from .lm import checkpoint, selections
 from .lm.config import RunConfig
@@ -81,9 +82,9 @@ def earlier_run(job: Job) -> str | None:
 def resume_args(job: Job) -> str:
     """What continues this job from its checkpoint, added to the command that started it."""
     parent = job.cfg.tracking.get("parent_run_id")
-    if parent:
-        return f"hydra.sweep.dir={job.out_dir.parent} hydra.sweeper.resume={parent}"
-    return f"hydra.run.dir={job.out_dir}"
+    if parent:  # shell words Hydra reads back as these values (framework.cli.override): they paste as printed
+        return f"{override('hydra.sweep.dir', str(job.out_dir.parent))} hydra.sweeper.resume={parent}"
+    return override("hydra.run.dir", str(job.out_dir))
 
 
 def headline(job: Job, cfg: RunConfig) -> dict[str, float]:

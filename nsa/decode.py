@@ -125,6 +125,7 @@ class GraphDecoder:
         if c.qkv_bias:  # its projection GEMM concatenates the weights alone
             raise ValueError("NSAConfig.qkv_bias=True: GraphDecoder's step has no input-projection biases; decode "
                              "with the module's own cached forward (layer(x_t, cache))")
+        module.check_cache(cache)  # a cache of another config: one line, not a shape error in a kernel
         self.module, self.cache = module, cache
         ref = cache.k_sel
         self.B, self.max_len, self.device, self.dtype = cache.batch_size, cache.max_len, ref.device, ref.dtype

@@ -9,6 +9,8 @@
 * ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (read by MLflow on every
   request): :func:`limit_mlflow_http` bounds them for this process (a user's own values are kept), and
   :func:`mlflow_http_probe` sets them briefly for a first, fast check of a tracking server.
+* ``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT`` (:func:`suppress_mlflow_run_urls`): set where the tracking URI
+  holds a password, which MLflow's "View run at" lines would print.
 * ``SLURM_JOB_ID``, ``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID`` (:func:`slurm_job_id`): set by SLURM
   in a job's processes; a run started in one is tagged with its job id.
 * ``CUDA_VISIBLE_DEVICES`` (:func:`cuda_visible_devices`): the GPUs this process may use (a scheduler
@@ -66,6 +68,13 @@ def limit_mlflow_http(max_retries: int, timeout_s: int) -> None:
     for minutes against a server that is down)."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(max_retries))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(timeout_s))
+
+
+def suppress_mlflow_run_urls() -> None:
+    """``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``: MLflow's client prints no "View run at <URL>" lines for
+    this process (they write the tracking URI as given, a password in it too; the experiments print
+    their own link, the password masked)."""
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 @contextlib.contextmanager

@@ -410,8 +410,23 @@ class NSAAttention(nn.Module):
                 raise ValueError(f"cu_seqlens: document {i} has {n} tokens, more than the cache's "
                                  f"max_len={cache.max_len}")
 
-    @staticmethod
-    def _check_cache_dtype(cache: NSACache, x: torch.Tensor, kv: dict) -> None:
+    def check_cache(self, cache: NSACache) -> None:
+        """ValueError (one line) where ``cache`` was not made by :meth:`new_cache` of this layer's config: each
+        buffer ``[B,T,H,D]`` has this config's key/value heads and head dims, and the compressed ones
+        n_cmp(max_len) tokens (l and d)."""
+        c = self.config
+        for name in ("k_cmp_raw", "v_cmp_raw", "k_sel", "v_sel", "k_win", "v_win", "k_cmp", "v_cmp"):
+            t = getattr(cache, name)
+            T = c.n_cmp(cache.max_len) if name in ("k_cmp", "v_cmp") else cache.max_len
+            want = (T, c.n_kv_heads, c.d_k if name.startswith("k") else c.d_v)
+            if t.dim() != 4 or tuple(t.shape[1:]) != want:
+                raise ValueError(
+                    f"cache.{name}: shape {tuple(t.shape)}, this layer's is [B, {', '.join(map(str, want))}] "
+                    f"(n_kv_heads={c.n_kv_heads}, d_k={c.d_k}, d_v={c.d_v}, l={c.l}, d={c.d}, max_len={cache.max_len}): "
+                    "a cache made for a layer of another config; make it with this layer's new_cache()")
+
+    def _check_cache_dtype(self, cache: NSACache, x: torch.Tensor, kv: dict) -> None:
+        self.check_cache(cache)
         if x.device != cache.k_sel.device or kv["k_sel"].dtype != cache.k_sel.dtype:
             raise ValueError(f"cache: device/dtype {cache.k_sel.device}/{cache.k_sel.dtype} differ from the "
                              f"layer's {x.device}/{kv['k_sel'].dtype}")

@@ -360,25 +360,28 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
     B, Tq, HQ, _ = q.shape
     H, S = k_sel.shape[2], k_sel.shape[1]
     ls = config.l_sel
-    off = torch.arange(ls, device=q.device)
+    # Tokens gathered per block: l_sel, bounded by the S keys (with l_sel >= S only block 0 holds tokens, and
+    # those are its first S), so an l_sel beyond the sequence costs what the sequence has, not l_sel.
+    lb = min(ls, S)
+    off = torch.arange(lb, device=q.device)
     pos = _positions(Tq, q_start, varlen, q.device)
     finite = _all_finite(k_sel, v_sel)
 
     def chunk(c0, c1, q, k_sel, v_sel):
         idx = indices[:, c0:c1]
-        tok = (idx[..., None] * ls + off).flatten(-2)  # [B,c,H,n_sel*l_sel], positions in the row's sequence
+        tok = (idx[..., None] * ls + off).flatten(-2)  # [B,c,H,n_sel*lb], positions in the row's sequence
         t = pos[c0:c1][None, :, None, None]
         start, n = (0, S) if varlen is None else _doc_rows(varlen, c0, c1, q.device)
-        valid = (idx[..., None] >= 0).expand(*idx.shape, ls).flatten(-2) & (tok <= t) & (tok < n)
+        valid = (idx[..., None] >= 0).expand(*idx.shape, lb).flatten(-2) & (tok <= t) & (tok < n)
         if varlen is None:  # blocks start at multiples of l_sel: gathered whole
             def gather(x):
-                return _gather_blocks(x, idx.clamp(min=0), ls)
+                return _gather_blocks(x, idx.clamp(min=0), lb)
         else:
             def gather(x):
                 return _gather_tokens(x, (tok + start).clamp(0, S - 1))
         return _gather_attend(q[:, c0:c1], k_sel, v_sel, gather, valid, scale, finite)
 
-    per_query = 4 * B * H * indices.shape[-1] * ls * (k_sel.shape[3] + v_sel.shape[3] + 2 * HQ // H + 2)
+    per_query = 4 * B * H * indices.shape[-1] * lb * (k_sel.shape[3] + v_sel.shape[3] + 2 * HQ // H + 2)
     return _run_chunked(chunk, Tq, per_query, q, k_sel, v_sel)
 
 

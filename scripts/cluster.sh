@@ -32,8 +32,10 @@
 #   into DIR/artifacts (0700).
 # The MLflow server refuses requests without a login: user `admin`, password generated into
 #   DIR/mlflow-admin.password; DIR/mlflow/credentials holds both in the format of MLflow's credentials
-#   file, and ~/.mlflow/credentials (where MLflow's client looks) links to it while the cluster is up (only
-#   where that path is free or already such a link; else set MLFLOW_TRACKING_USERNAME/PASSWORD).
+#   file with the server they belong to (mlflow_tracking_uri). The experiments send that login to that
+#   server only (tracking=server reads .cluster/mlflow/credentials of the launch directory; elsewhere
+#   tracking.credentials=DIR/mlflow/credentials). Nothing global: no ~/.mlflow/credentials, which MLflow
+#   would send to every http tracking URI (a link an earlier version made is removed by up and down).
 #   Non-admin users get READ on what others logged (default_permission). Every password is in a 0600
 #   file of DIR and reaches the databases through stdin or a file, never a command line.
 # The SLURM clients (sbatch, squeue, sacct) find the cluster through /etc/slurm/slurm.conf, a link to
@@ -557,9 +559,10 @@ authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 auth_cache_ttl_seconds = 60
 EOF
         cat > "$CREDENTIALS" <<EOF
-# written by scripts/cluster.sh: the login to the MLflow server of $DIR, in the format of MLflow's
-# credentials file (~/.mlflow/credentials); MLFLOW_TRACKING_USERNAME/PASSWORD take precedence over it
+# written by scripts/cluster.sh: the login to the MLflow server of $DIR (mlflow_tracking_uri) and to no
+# other, in the format of MLflow's credentials file: the experiments read it as tracking.credentials
 [mlflow]
+mlflow_tracking_uri = http://$(uri_host):$PORT
 mlflow_tracking_username = $MLFLOW_ADMIN
 mlflow_tracking_password = $admin_pw
 EOF
@@ -567,21 +570,13 @@ EOF
     chmod 600 "$DIR/mlflow/pgpass" "$DIR/mlflow/basic_auth.ini" "$CREDENTIALS"
 }
 
-credentials_linked() {
-    [ -n "$HOME_CREDENTIALS" ] && [ -L "$HOME_CREDENTIALS" ] && [ "$(readlink "$HOME_CREDENTIALS")" = "$CREDENTIALS" ]
-}
-
-link_credentials() {  # ~/.mlflow/credentials -> DIR/mlflow/credentials, where that path is free, a dangling
-    # link or a link to another state directory's file; a user's own file or link is left as it is
-    [ -n "$HOME_CREDENTIALS" ] && ! credentials_linked || return 0
-    if [ -L "$HOME_CREDENTIALS" ]; then
-        local target; target=$(readlink "$HOME_CREDENTIALS")
-        [ ! -e "$target" ] || head -1 "$target" 2>/dev/null | grep -q "^# written by scripts/cluster.sh" || return 0
-    elif [ -e "$HOME_CREDENTIALS" ]; then
-        return 0
+unlink_credentials() {  # ~/.mlflow/credentials as a link to a file this script wrote (an earlier version
+    # linked it: MLflow then sent the login to every http tracking URI); a user's own file is left as it is
+    [ -n "$HOME_CREDENTIALS" ] && [ -L "$HOME_CREDENTIALS" ] || return 0
+    local target; target=$(readlink "$HOME_CREDENTIALS")
+    if [ "$target" = "$CREDENTIALS" ] || head -1 "$target" 2>/dev/null | grep -q "^# written by scripts/cluster.sh"; then
+        rm -f "$HOME_CREDENTIALS"
     fi
-    [ -d "$(dirname "$HOME_CREDENTIALS")" ] || (umask 077 && mkdir -p "$(dirname "$HOME_CREDENTIALS")")
-    ln -sfn "$CREDENTIALS" "$HOME_CREDENTIALS"
 }
 
 mlflow_login_ok() {  # the admin's login is accepted (curl reads it from stdin, not from its command line)
@@ -615,7 +610,7 @@ start_mlflow() {
     fi
     mlflow_login_ok || die "the MLflow server refuses user $MLFLOW_ADMIN with the password in" \
         "$DIR/mlflow-admin.password (its users are in PostgreSQL's database mlflow_auth)"
-    link_credentials
+    unlink_credentials
 }
 
 uri_host() { [ "$HOST" = 0.0.0.0 ] && echo 127.0.0.1 || echo "$HOST"; }
@@ -680,7 +675,7 @@ cmd_down() {
     if [ -L "$ETC_SLURM_CONF" ] && [ "$(readlink "$ETC_SLURM_CONF")" = "$SLURM_CONF_FILE" ]; then
         rm -f "$ETC_SLURM_CONF"
     fi
-    credentials_linked && rm -f "$HOME_CREDENTIALS"
+    unlink_credentials
     local left=() s
     for s in "${SERVICES[@]}"; do still_up "$s" && left+=("$s($(pid_of "$s"))"); done
     local steps; steps=$(job_steps | tr '\n' ' ')
@@ -710,12 +705,8 @@ cmd_status() {
             echo "MLFLOW_TRACKING_URI=sqlite:///$DIR/mlflow.db"
             return 0
         fi
-        if credentials_linked; then
-            say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS (MLflow's credentials file), which $HOME_CREDENTIALS links to"
-        else
-            say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS (MLflow's credentials file; ${HOME_CREDENTIALS:-~/.mlflow/credentials}" \
-                "is another): set MLFLOW_TRACKING_USERNAME=$MLFLOW_ADMIN and MLFLOW_TRACKING_PASSWORD from $DIR/mlflow-admin.password"
-        fi
+        say "MLflow login: user $MLFLOW_ADMIN, in $CREDENTIALS, sent to this server only: tracking=server reads it" \
+            "from a launch in $(dirname "$DIR") (elsewhere: tracking.credentials=$CREDENTIALS)"
         echo "MLFLOW_TRACKING_URI=http://$(uri_host):$PORT"
         return 0
     fi

@@ -133,3 +133,41 @@ def make_template(path: Path) -> Path:
 
 def one_line(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.strip()]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def until(check, timeout: float, what: str) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+def server_up(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def mlflow_server(tmp: Path, port: int, *extra: str) -> subprocess.Popen:
+    """``mlflow server`` on 127.0.0.1:port (a SQLite store and artifacts in tmp), in its own process group
+    (``os.killpg(p.pid, SIGKILL)`` stops it and its workers); wait for it with ``until(server_up)``."""
+    return subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
+                             f"sqlite:///{tmp / 'server.db'}", "--default-artifact-root", str(tmp / "art"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *extra],
+                            cwd=tmp, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

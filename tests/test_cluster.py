@@ -143,22 +143,25 @@ def test_secrets_and_artifacts_are_their_owners_alone(cluster):
     assert stat.S_IMODE((STATE / "artifacts").stat().st_mode) & 0o077 == 0, oct((STATE / "artifacts").stat().st_mode)
 
 
-def test_mlflow_clients_log_in_through_mlflows_credentials_file(cluster, tmp_path):
-    """While the cluster is up, ~/.mlflow/credentials (where MLflow's client looks for a login) links to
-    the state directory's credentials file, so the README's commands log in as written: a client without
-    MLFLOW_TRACKING_USERNAME/PASSWORD is let in; the same client with another home (no such file) is
-    refused (401)."""
+def test_the_login_is_scoped_to_the_clusters_server(cluster, tmp_path):
+    """No global credentials while the cluster is up: ~/.mlflow/credentials (which MLflow's client sends to
+    every http tracking URI) is not the cluster's; its credentials file names the server it belongs to, and
+    an entry point launched from this checkout (tracking=server reads .cluster/mlflow/credentials there)
+    logs in without MLFLOW_TRACKING_USERNAME/PASSWORD; a plain MLflow client without them is refused (401)."""
     home_file = Path.home() / ".mlflow" / "credentials"
-    if home_file.exists() and not home_file.is_symlink():
-        pytest.skip(f"{home_file} is this user's own file, which `up` leaves alone")
-    assert home_file.is_symlink() and home_file.resolve() == CREDENTIALS.resolve(), home_file
-    client = "import sys, mlflow; mlflow.MlflowClient(sys.argv[1]).search_experiments(max_results=1)"
+    assert not (home_file.is_symlink() and home_file.resolve() == CREDENTIALS.resolve()), home_file
+    cp = configparser.ConfigParser()
+    cp.read(CREDENTIALS)
+    assert cp["mlflow"]["mlflow_tracking_uri"] == cluster["MLFLOW_TRACKING_URI"]
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
-    env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
-    cmd = [sys.executable, "-c", client, cluster["MLFLOW_TRACKING_URI"]]
-    ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    refused = subprocess.run(cmd, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    env.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", HOME=str(tmp_path), PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "experiments.decode", "hardware=cpu", "seq=64", "tracking=server",
+                          f"tracking.uri={cluster['MLFLOW_TRACKING_URI']}", f"hydra.run.dir={tmp_path / 'out'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    client = "import sys, mlflow; mlflow.MlflowClient(sys.argv[1]).search_experiments(max_results=1)"
+    refused = subprocess.run([sys.executable, "-c", client, cluster["MLFLOW_TRACKING_URI"]], env=env,
+                             capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "401" in refused.stderr, refused.stderr[-2000:]
 
 

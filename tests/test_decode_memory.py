@@ -66,7 +66,7 @@ def test_serving_batches_pass_the_default_limit(h100, B, S):
 def test_a_batch_whose_cache_does_not_fit_is_refused_before_allocating(h100, monkeypatch):
     """B=256 at 64k: 96 GiB of raw cache. work() stops in its first line (nothing allocated), one line."""
     monkeypatch.setattr(NSAAttention, "new_cache", lambda *a, **k: pytest.fail("cache allocated before the memory check"))
-    job = _job(256, 65536)
+    job = _job(256, 65536, "limits.max_memory_gib=64")
     with pytest.raises(config.ResourceLimit) as e:
         decode.work(job)
     msg = str(e.value)

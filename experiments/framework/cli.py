@@ -11,6 +11,8 @@ the sweeper (``hydra.sweeper.show``).
 """
 from __future__ import annotations
 
+import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -120,6 +122,16 @@ def normalize(argv: list[str]) -> list[str]:
         flags.remove("--resolve")
         overrides.append("hydra.sweeper.show_resolve=true")
     return overrides + flags
+
+
+def override(key: str, value: str) -> str:
+    """``key=value`` as a shell word that Hydra reads back as this value: the value in Hydra's quotes where
+    its grammar would read it otherwise (a comma makes a sweep, ``=`` and brackets do not parse), then
+    quoted for the shell (a space, a quote), so a printed command pastes back as printed."""
+    if not re.fullmatch(r"[\w./@%+~ -]*", value) or value != value.strip():
+        # Hydra's quoted string: a backslash escapes only before a quote (or the closing one)
+        value = "'" + re.sub(r"(\\*)('|$)", lambda m: m[1] * 2 + ("\\" + m[2] if m[2] else ""), value) + "'"
+    return shlex.quote(f"{key}={value}")
 
 
 def config_dirs(argv: list[str]) -> list[Path]:
@@ -243,12 +255,29 @@ def _known_key(key: str, arg: str, base, known: dict, entry: str) -> None:
 _MISSING = object()
 
 
+def mask_passwords(argv: list[str]) -> list[str]:
+    """``tracking.uri=http://user:PW@host`` as ``tracking.uri=http://user:***@host``: Hydra, and so the run's
+    params, config.yaml, logs and ``.hydra/`` files, never see the password; this process keeps the URI
+    itself for its client (``tracking.masked``)."""
+    from . import tracking
+
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if eq and _is_override(a) and key.lstrip("+~") == "tracking.uri":
+            quoted = len(value) > 1 and value[0] == value[-1] and value[0] in "'\""
+            inner = tracking.masked(value[1:-1] if quoted else value)
+            a = f"{key}={value[0] + inner + value[0] if quoted else inner}"
+        out.append(a)
+    return out
+
+
 def launch(main: Callable[[], Any], entry: str) -> None:
     """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes."""
     from . import parallel
 
     parallel.pin_device()  # a torchrun rank's own GPU before anything touches CUDA
-    argv = normalize(sys.argv[1:])
+    argv = mask_passwords(normalize(sys.argv[1:]))
     precheck(argv, entry)
     sys.argv[1:] = argv
     install_signal_handlers()

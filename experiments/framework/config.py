@@ -95,11 +95,12 @@ def error_text(e: BaseException) -> str:
 PEERS = ("fla",)  # public NSA kernels with a row in decode (experiments/peers.py)
 PREFILL_PEERS = ("fla", "flash_nsa")  # and in prefill
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
+_POSITIVE_OR_NULL = "a number > 0, or null (what the device has free)"
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 _PREFILL_PEERS = f"a list of peer names from: {', '.join(PREFILL_PEERS)}"
 _PEER_NAMES = {_PEERS: PEERS, _PREFILL_PEERS: PREFILL_PEERS}  # rule -> the names it allows
 RULES = {
-    "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE, "parallel.cp": _INT1,
+    "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE_OR_NULL, "parallel.cp": _INT1,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
     "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
     "decode.peers": _PEERS,
@@ -122,7 +123,9 @@ def _valid(v, rule: str) -> bool:
         return isinstance(v, bool)
     if rule in _PEER_NAMES:
         return isinstance(v, ListConfig) and all(x in _PEER_NAMES[rule] for x in v)
-    if rule == _POSITIVE:
+    if rule == _POSITIVE_OR_NULL and v is None:
+        return True
+    if rule in (_POSITIVE, _POSITIVE_OR_NULL):
         return (_is_int(v) or isinstance(v, float)) and v > 0
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
 
@@ -375,13 +378,24 @@ def check_timed_device(cfg: DictConfig, entry: str) -> None:
             f"({dev.describe()}), whatever hardware.strict says; use hardware=cpu (or hardware=auto) here")
 
 
+def memory_limit(job: Job) -> tuple[float, str]:
+    """(bytes, what they are) a job's tensors may take: limits.max_memory_gib, or where it is null what the
+    job's device has free now (the host's available memory on a CPU)."""
+    lim = job.cfg.limits.max_memory_gib
+    if lim is not None:
+        return float(lim) * 2**30, f"limits.max_memory_gib={float(lim):g}"
+    free = hardware.free_memory_bytes(job.device)
+    where = "the GPU" if job.device.type == "cuda" else "this host"
+    return float(free), f"the {free / 2**30:.3g} GiB free on {where} (limits.max_memory_gib=null; set it to allow more)"
+
+
 def check_memory(job: Job, est_bytes: float, detail: str = "") -> None:
     """ResourceLimit (one line; ``detail``, e.g. the estimate's parts, in brackets) where the estimate
-    exceeds limits.max_memory_gib."""
-    lim = float(job.cfg.limits.max_memory_gib)
-    if est_bytes > lim * 2**30:
+    exceeds :func:`memory_limit`."""
+    lim, what = memory_limit(job)
+    if est_bytes > lim:
         raise ResourceLimit(f"seq={job.seq}: estimated {est_bytes / 2**30:.3g} GiB of tensors exceeds "
-                            f"limits.max_memory_gib={lim:g}" + (f" ({detail})" if detail else ""))
+                            f"{what}" + (f" ({detail})" if detail else ""))
 
 
 def groups(conf_dir: Path = CONF_DIR) -> dict[str, list[str]]:

@@ -119,3 +119,20 @@ def resolve_profile(hw: DictConfig, dev: Device | None = None, check: bool = Tru
             raise HardwareMismatch(f"hardware={hw.name} does not match the detected device {dev.describe()}; {hint}")
         return hw, f"{hw.name}: forced (hardware.strict=false) on {dev.describe()}"
     return hw, f"{hw.name}: matches {dev.describe()}"
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free for this job's tensors: on a GPU what CUDA reports free on it (``mem_get_info``); on a
+    CPU the host's available memory (``MemAvailable`` of /proc/meminfo: free pages and the caches the kernel
+    can drop), else free pages (``os.sysconf``) where there is no /proc."""
+    import os
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))

@@ -39,7 +39,7 @@ from nsa import dispatch
 from ..nested import flatten
 
 from . import cli, parallel, tracking
-from .config import BRANCHES, ConfigError, Job, check_timed_device, error_text, one_line, prepare
+from .config import BRANCHES, ConfigError, Job, ResourceLimit, check_timed_device, error_text, one_line, prepare
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
@@ -149,10 +149,14 @@ def describe(job: Job, choices: dict) -> tuple[dict, dict]:
 
 
 def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
-            resume: Callable[[Job], str | None] | None = None) -> None:
+            resume: Callable[[Job], str | None] | None = None,
+            fits: Callable[[Job], Any] | None = None) -> None:
     """``resume(job)``: the id of the run an earlier process of this job left unfinished (e.g. named by
     a checkpoint in ``job.out_dir``), reopened instead of a new run (:func:`_earlier_run` says when
-    it may be); None: a new run. A ConfigError it raises is a config error."""
+    it may be); None: a new run. A ConfigError it raises is a config error. ``fits(job)``: the entry's
+    memory estimate against limits.max_memory_gib (``config.check_memory``), before the store is opened:
+    a ResourceLimit it raises refuses a single run as a config error (one line, exit 2, no run). In a
+    sweep ``work`` checks it first: the job fails alone (a FAILED child with its params and the reason)."""
     t0 = time.perf_counter()
     cli.install_signal_handlers()  # a job process started by another launcher
     hc = _hydra()
@@ -166,11 +170,13 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
         check_timed_device(cfg, entry)
         job = prepare(cfg, entry)
         job.out_dir = out_dir
+        if fits is not None and parent is None:  # a sweep's job: work() checks it, and fails alone
+            fits(job)
         if _cp(job) and parallel.rank() > 0:  # a context-parallel rank > 0: work only, rank 0 logs the run
             return _other_rank(job, entry, work)
         store = tracking.connect(job.cfg.tracking, entry, launch_dir)
         earlier = _earlier_run(store, resume(job), parent, out_dir) if resume else None
-    except ConfigError as e:
+    except (ConfigError, ResourceLimit) as e:  # ResourceLimit: only a single run's (fits)
         if parent is None:  # a single run: one line, exit 2, nothing left behind
             if hc:
                 remove_empty_output_dir(hc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -78,27 +79,126 @@ class Store:
         return f"mlflow ui --backend-store-uri {self.uri}  # then open http://127.0.0.1:5000/{page}"
 
 
+MASK = "***"
+_SECRETS: dict[str, str] = {}  # a URI with its password masked -> the URI itself (this process's memory only)
+
+
+def masked(uri: str) -> str:
+    """``uri`` with the password of its user info (``http://user:PW@host``) written ``***``: what the project
+    prints, logs and records (Hydra's files, params, config.yaml, logs, stdout). The URI itself is kept in
+    this process's memory, for :func:`open_client` only; a URI without a password is returned as it is."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+        password = parts.password
+    except ValueError:
+        return uri
+    if not password or password == MASK:
+        return uri
+    safe = urlunsplit(parts._replace(netloc=f"{parts.username}:{MASK}@{parts.netloc.rsplit('@', 1)[1]}"))
+    _SECRETS[safe] = uri
+    _hide_in_logs()
+    env.suppress_mlflow_run_urls()
+    return safe
+
+
+def hide(text: str) -> str:
+    """``text`` with every password :func:`masked` has seen written ``***`` (e.g. MLflow's errors, which
+    quote the URI it requested)."""
+    from urllib.parse import unquote, urlsplit
+
+    for uri in _SECRETS.values():
+        pw = urlsplit(uri).password  # as written in the URI (percent-encoded), and decoded
+        for form in sorted({pw, unquote(pw)}, key=len, reverse=True):
+            text = text.replace(form, MASK)
+    return text
+
+
+class _HideSecrets(logging.Filter):
+    """On every log handler: a record's text with the passwords hidden (MLflow logs its run URLs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _SECRETS:
+            text = record.getMessage()
+            safe = hide(text)
+            if safe != text:
+                record.msg, record.args = safe, ()
+        return True
+
+
+def _hide_in_logs() -> None:
+    for lg in (logging.getLogger(), logging.getLogger("mlflow")):
+        for h in lg.handlers:
+            if not any(isinstance(f, _HideSecrets) for f in h.filters):
+                h.addFilter(_HideSecrets())
+
+
+def _server(uri: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of an http(s) URI: what a login is scoped to."""
+    from urllib.parse import urlsplit
+
+    p = urlsplit(uri)
+    return p.scheme, (p.hostname or "").lower(), p.port or {"http": 80, "https": 443}.get(p.scheme)
+
+
+def scoped_login(uri: str, credentials: str | None, launch_dir: Path) -> str:
+    """``uri`` with the login of ``tracking.credentials`` where that file names this server
+    (``mlflow_tracking_uri``: the same scheme, host and port): the URI the client uses, kept in this
+    process's memory (:data:`_SECRETS`, under ``uri`` as printed). A file for another server, or none:
+    ``uri`` unchanged, no login sent. MLflow's global credentials (its environment variables,
+    ``~/.mlflow/credentials``) are the user's own choice and left as MLflow reads them."""
+    import configparser
+    from urllib.parse import quote, urlsplit, urlunsplit
+
+    if not credentials or not uri.startswith(("http://", "https://")) or urlsplit(uri).username:
+        return uri
+    path = Path(credentials) if Path(credentials).is_absolute() else launch_dir / credentials
+    if not path.is_file():
+        return uri
+    cp = configparser.ConfigParser(interpolation=None)
+    try:
+        cp.read(path)
+        sec = cp["mlflow"]
+        owner, user, pw = (sec.get(k) for k in ("mlflow_tracking_uri", "mlflow_tracking_username",
+                                                "mlflow_tracking_password"))
+    except (OSError, configparser.Error, KeyError) as e:
+        raise ConfigError(f"tracking.credentials={credentials}: not MLflow's credentials format ({one_line(e)})") from e
+    if not owner or not user or not pw:
+        raise ConfigError(f"tracking.credentials={credentials}: needs mlflow_tracking_uri, mlflow_tracking_username "
+                          "and mlflow_tracking_password in its [mlflow] section (the login is sent to that server only)")
+    if _server(owner) != _server(uri):
+        return uri
+    p = urlsplit(uri)
+    _SECRETS[uri] = urlunsplit(p._replace(netloc=f"{quote(user, safe='')}:{quote(pw, safe='')}@{p.netloc}"))
+    _hide_in_logs()
+    env.suppress_mlflow_run_urls()
+    return uri
+
+
 def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
-    """(uri, origin) for the ``tracking`` config."""
+    """(uri, origin) for the ``tracking`` config; a password in the URI masked (:func:`masked`), the login of
+    ``tracking.credentials`` added for its own server only (:func:`scoped_login`)."""
     if t.get("uri"):
-        return str(t.uri), "tracking.uri"
+        return scoped_login(masked(str(t.uri)), t.get("credentials"), launch_dir), "tracking.uri"
     if env.mlflow_tracking_uri():
-        return env.mlflow_tracking_uri(), "MLFLOW_TRACKING_URI"
+        return (scoped_login(masked(env.mlflow_tracking_uri()), t.get("credentials"), launch_dir),
+                "MLFLOW_TRACKING_URI")
     if t.get("name") == "server":
         raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
     return f"{SQLITE}{launch_dir / 'mlflow.db'}", "default: mlflow.db in the launch directory"
 
 
 def _cause(e: BaseException) -> str:
-    """The useful end of a store error: an OS error number and text where there is one."""
-    text = one_line(e).split(" [SQL: ")[0]  # SQLAlchemy's message goes on with the statement and its values
+    """The useful end of a store error: an OS error number and text where there is one (passwords hidden)."""
+    text = hide(one_line(e)).split(" [SQL: ")[0]  # SQLAlchemy's message goes on with the statement and its values
     m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
     return m.group(0).strip() if m else text
 
 
 def store_error(uri: str, e: BaseException) -> str:
     """One line for a failed store request: the store, and the cause (a full disk named so)."""
-    return f"tracking store {uri}: {out_of_space(e) or _cause(e)}"
+    return hide(f"tracking store {uri}: {out_of_space(e) or _cause(e)}")
 
 
 @contextlib.contextmanager
@@ -110,7 +210,7 @@ def writing(client):
     try:
         yield
     except (MlflowException, OSError) as e:
-        raise StoreError(store_error(str(getattr(client, "tracking_uri", "?")), e)) from e
+        raise StoreError(store_error(masked(str(getattr(client, "tracking_uri", "?"))), e)) from e
 
 
 class _StoreErrorsOnce(logging.Filter):
@@ -161,7 +261,7 @@ def open_client(uri: str):
         env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
         try:
             with _store_lock(uri), env.mlflow_http_probe(PROBE_TIMEOUT_S):
-                client = MlflowClient(tracking_uri=uri)
+                client = MlflowClient(tracking_uri=_SECRETS.get(uri, uri))  # the URI itself, password and all
                 client.search_experiments(max_results=1)  # creates or checks the schema; reaches a server
         except (MlflowException, OSError) as e:
             raise StoreUnavailable(f"tracking store {uri}: {_cause(e)}") from e
@@ -186,6 +286,16 @@ def connect(t: DictConfig, entry: str, launch_dir: Path) -> Store:
     return _STORES[(uri, name)]
 
 
+def artifact_folder(name: str) -> str:
+    """The folder of experiment ``name``'s artifacts under the artifact root: the name where it is one plain
+    path component, else its letters, digits and ``._-`` (others as ``_``) and a hash of the whole name, so
+    that no name (``x/../../y``, ``..``) leaves the root and different names keep different folders."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    if safe == name and name.strip(".") and not name.startswith("."):
+        return name
+    return f"{safe.lstrip('.') or 'experiment'}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
+
+
 def _experiment(client, uri: str, name: str, root: str | None) -> str:
     from mlflow.exceptions import MlflowException
 
@@ -194,7 +304,7 @@ def _experiment(client, uri: str, name: str, root: str | None) -> str:
         if root is None and uri.startswith(SQLITE):
             root = (Path(uri[len(SQLITE):]).parent / "mlruns").resolve().as_uri()
         try:
-            return client.create_experiment(name, artifact_location=f"{root}/{name}" if root else None,
+            return client.create_experiment(name, artifact_location=f"{root}/{artifact_folder(name)}" if root else None,
                                             tags=EXPERIMENT_KIND)
         except MlflowException:  # created meanwhile by another process (a server store: no lock)
             exp = client.get_experiment_by_name(name)
@@ -333,12 +443,33 @@ def end_run(client, rid: str, status: str, error: str | None = None) -> None:
         with writing(client):
             client.set_terminated(rid, status)
     except StoreError as e:
-        raise StoreError(f"{e}; run {rid} could not be ended {status} (once the store has room: "
+        raise StoreError(f"{e}; run {rid} could not be ended {status} ({when_back(e)}: "
                          f"python -m experiments.close_stale {rid})") from e
     finally:
         _OPEN.pop(rid, None)
     if failed:
         raise StoreError(f"{failed}; run {rid} ended {status} without its reason") from failed
+
+
+UNREACHABLE = ("Connection refused", "Failed to establish a new connection", "Name or service not known",
+               "No route to host", "Network is unreachable", "timed out")
+
+
+def when_back(e: BaseException) -> str:
+    """When a run the store failed to end can be closed, by what failed: a full disk, a server that refused
+    or did not answer the connection, or another store error."""
+    if out_of_space(e):
+        return "once the store has room"
+    seen, text = set(), ""
+    while e is not None and id(e) not in seen:  # the message and every error it came from
+        seen.add(id(e))
+        text += f" {e}"
+        if isinstance(e, ConnectionError):
+            return "the tracking server refused or dropped the connection; once it answers again"
+        e = e.__cause__ or e.__context__
+    if any(s in text for s in UNREACHABLE):
+        return "the tracking server refused or did not answer the connection; once it answers again"
+    return "once the store works again"
 
 
 def reopen(client, rid: str) -> None:
@@ -360,8 +491,8 @@ def close_open(status: str, reason: str) -> list[str]:
             closed.append(rid)
         except Exception as e:  # noqa: BLE001  (keep closing the others; the run stays for close_stale)
             _OPEN.pop(rid, None)
-            say(f"could not close run {rid}: {one_line(e)}; once the store is back: "
-                f"python -m experiments.close_stale {rid}")
+            hint = "" if "close_stale" in str(e) else f"; {when_back(e)}: python -m experiments.close_stale {rid}"
+            say(f"could not close run {rid}: {one_line(e)}{hint}")
     return closed
 
 

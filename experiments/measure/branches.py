@@ -18,12 +18,13 @@ from nsa.module import forward_rows
 from .inputs import CoreInputs, project
 
 
-
 def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None,
          streams: bool = True):
     """NSA attention output ``[B,Tq,HQ,Dv]``. branch "none": all three branches with the gates
     (``nsa.functional.nsa_attention``, ``streams`` passed on); "cmp"/"sel"/"win": that branch alone
-    (one-hot gates)."""
+    (one-hot gates). n_sel is bounded by the blocks of the S keys (``NSAConfig.bounded``, as the library
+    does): a larger n_sel selects every block, so work and index tensors are sized by the blocks that exist."""
+    config = config.bounded(x.k_sel.shape[1])
     if branch == "none":
         return functional.nsa_attention(x.q, x.k_cmp, x.v_cmp, x.k_sel, x.v_sel, x.k_win, x.v_win, x.gates,
                                         config, backend=dict(plan), q_start=x.q_start, fallback=fallback,
@@ -45,7 +46,9 @@ def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str],
 
 
 def selection_indices(x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None):
-    """The block indices ``[B,Tq,H,n_sel]`` the configured cmp backend selects for these queries."""
+    """The block indices ``[B,Tq,H,k]`` the configured cmp backend selects for these queries (k: n_sel bounded
+    by the blocks of the keys, ``NSAConfig.bounded``)."""
+    config = config.bounded(x.k_sel.shape[1])
     scale = x.q.shape[-1] ** -0.5
     be = dispatch.choose("cmp", plan["cmp"], x.q.device, x.q.dtype, fallback)
     return be.compressed(x.q, x.k_cmp, x.v_cmp, config, scale=scale, q_start=x.q_start, n_keys=x.k_sel.shape[1])[1]

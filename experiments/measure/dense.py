@@ -10,6 +10,14 @@ import torch.nn.functional as F
 from nsa.compat import sdpa_gqa
 
 
+def math_path(device: torch.device, d_k: int, d_v: int) -> bool:
+    """Whether SDPA runs its math kernel for :func:`dense_attention` here: on a CPU where the key and value
+    head dims differ (its flash kernel takes one head dim). That path repeats the grouped keys and values to
+    every query head and copies the keys once more, transposed (1.6x B*S*HQ*(d_k+d_v) elements in a decode
+    step of the paper's model, torch 2.13, measured), and keeps the scores, the causal mask and the
+    probabilities (2.5x B*HQ*Tq*S float32 values, measured on a prefill)."""
+    return device.type == "cpu" and d_k != d_v
+
 
 def dense_attention(q, k, v, causal: bool, kernel: str = "auto"):
     """Dense baseline: torch SDPA over ``[B,T,H*,D]`` layouts with grouped heads. A single decode

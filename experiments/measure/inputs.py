@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa import NSAAttention
+from nsa import NSAAttention, NSAConfig
 
 
 @dataclass
@@ -74,3 +74,10 @@ def ragged_inputs(layer: NSAAttention, cache, x_step: torch.Tensor) -> list[Core
     ``cache.lengths[b] - 1`` already cached): ``cache_inputs`` on ``cache.row(b)``, views of row b's buffers
     up to its own length (nothing copied)."""
     return [cache_inputs(layer, cache.row(b), x_step[b:b + 1]) for b in range(cache.batch_size)]
+
+
+def layer_bytes(config: NSAConfig, itemsize: int) -> float:
+    """Bytes of an NSAAttention layer's parameters in a dtype of ``itemsize`` bytes (counted on the meta
+    device: nothing is allocated), for the memory estimates."""
+    with torch.device("meta"):
+        return float(sum(p.numel() for p in NSAAttention(config).parameters()) * itemsize)
