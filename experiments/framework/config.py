@@ -118,7 +118,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _valid(v, rule: str) -> bool:
+def valid(v, rule: str) -> bool:
     if rule == _BOOL:
         return isinstance(v, bool)
     if rule in _PEER_NAMES:
@@ -139,7 +139,7 @@ def check_types(cfg: DictConfig) -> None:
         v = OmegaConf.select(cfg, key, default=missing)
         if v is missing:
             raise ConfigError(f"{key}: missing; must be {rule}")
-        if not _valid(v, rule):
+        if not valid(v, rule):
             raise ConfigError(f"{key}={v!r}: must be {rule}")
     if "parity" not in cfg:
         return

@@ -75,7 +75,7 @@ def _check_values(parser, jobs: list[list[str]]) -> None:
     sections' counts and switches) checked once, before any job is composed (a composition takes about
     0.1-0.3 s a job): a bad value among a thousand is reported in the first seconds, not after the
     others' compositions. The full validation (:func:`_validate`) follows."""
-    from .config import RULES, _valid
+    from .config import RULES, valid
 
     seen = set()
     for ov in jobs:
@@ -92,7 +92,7 @@ def _check_values(parser, jobs: list[list[str]]) -> None:
                 continue  # the composition reports it
             if isinstance(v, str) and v.startswith("${"):
                 continue  # an interpolation: checked resolved, by the full validation
-            if not _valid(OmegaConf.create({"v": v}).v if isinstance(v, list) else v, RULES[key]):
+            if not valid(OmegaConf.create({"v": v}).v if isinstance(v, list) else v, RULES[key]):
                 cli.config_exit(f"{key}={v!r}: must be {RULES[key]} [job: {' '.join(ov)}]")
 
 
