@@ -362,7 +362,7 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
     ls = config.l_sel
     # Tokens gathered per block: l_sel, bounded by the S keys (with l_sel >= S only block 0 holds tokens, and
     # those are its first S), so an l_sel beyond the sequence costs what the sequence has, not l_sel.
-    lb = min(ls, S)
+    lb = max(1, min(ls, S))  # 1 where S = 0 (no keys: nothing is gathered)
     off = torch.arange(lb, device=q.device)
     pos = _positions(Tq, q_start, varlen, q.device)
     finite = _all_finite(k_sel, v_sel)
