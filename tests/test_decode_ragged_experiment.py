@@ -45,7 +45,8 @@ def cli(tmp_path_factory):
     template = entrypoints.make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
     tmp = {k: tmp_path_factory.mktemp(k) for k in ("sweep", "forced", "not_bool", "seq1")}
     procs = {
-        "sweep": start(tmp["sweep"], "decode", *RAGGED, "-m", "seed=0,1", template=template),
+        # the sweep names a peer (skipped: a peer takes one length for the batch); the forced run names none
+        "sweep": start(tmp["sweep"], "decode", *RAGGED, "decode.peers=[fla]", "-m", "seed=0,1", template=template),
         "forced": start(tmp["forced"], "decode", *RAGGED, "branch_force=sel", "seed=0", template=template),
         "not_bool": start(tmp["not_bool"], "decode", "hardware=cpu", "decode.ragged=maybe", name="nb"),
         "seq1": start(tmp["seq1"], "decode", "hardware=cpu", "decode.ragged=true", "seq=1", name="s1"),
@@ -72,14 +73,14 @@ def _literal(L: list[int]) -> dict[str, float]:
     return {v: sum(x) / len(x) for v, x in per.items()}
 
 
-def _check_job(run, job_dir: Path, seed: int, variants: set[str]) -> list[int]:
+def _check_job(run, job_dir: Path, seed: int, variants: set[str], peers: bool) -> list[int]:
     m, t = run.data.metrics, run.data.tags
     L = json.loads(t["ragged_lengths"])
     assert L == decode.ragged_lengths(64, 3, seed).tolist()  # reproducible from the seed
     assert len(L) == 3 and all(32 <= n <= 64 for n in L), L
     assert (m["ragged_min_tokens"], m["ragged_max_tokens"]) == (min(L), max(L))
     assert m["ragged_mean_tokens"] == pytest.approx(sum(L) / 3)
-    assert t["ragged_skipped"] == "peers" and "peer_fla" not in t
+    assert t.get("ragged_skipped") == ("peers" if peers else None) and "peer_fla" not in t
     rows = _rows(job_dir / "decode.csv")
     assert set(rows) == variants
     exp = _literal(L)
@@ -105,7 +106,7 @@ def test_ragged_sweep_logs_lengths_and_counts_per_row(cli):
     kids = {int(r.data.params["seed"]): r for r in rs if "mlflow.parentRunId" in r.data.tags}
     assert sorted(kids) == [0, 1] and all(r.info.status == "FINISHED" for r in rs)
     all_rows = {"layer", "nsa", "cmp", "sel", "win", "dense"}
-    lens = {s: _check_job(kids[s], tmp / "out" / "x" / f"{s}_seq64", s, all_rows) for s in kids}  # job s: seed s
+    lens = {s: _check_job(kids[s], tmp / "out" / "x" / f"{s}_seq64", s, all_rows, True) for s in kids}  # job s: seed s
     assert lens[0] != lens[1]  # another seed, other lengths
     assert kids[0].data.params["decode.ragged"] == "True"
     assert "ragged: peers ['fla'] skipped" in err and "ragged: context lengths" in err
@@ -117,7 +118,8 @@ def test_ragged_forced_branch_has_layer_nsa_dense(cli):
     assert rc == 0 and "Traceback" not in err, err[-3000:]
     _, (run,) = entrypoints.runs(tmp / "mlflow.db", "decode")
     assert run.info.status == "FINISHED"
-    _check_job(run, tmp / "out" / "x", 0, {"layer", "nsa", "dense"})
+    _check_job(run, tmp / "out" / "x", 0, {"layer", "nsa", "dense"}, False)
+    assert "[peers]" not in err and "ragged: peers" not in err  # no peer named, none mentioned
     assert run.data.tags["backends_ran"] == "cmp=reference,sel=reference"  # win skipped when sel is forced
 
 
