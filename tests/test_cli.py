@@ -68,6 +68,8 @@ ONE_LINE = {
     "bad_syntax": ("decode", ["seq=[1,2"], ["seq=[1,2"]),
     "list_without_m": ("decode", ["seq=64,128"], ["add -m"]),
     "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),
+    # decode.batch is ${model.batch}: the error names the key typed (issue 46)
+    "interpolated_key": ("decode", ["hardware=cpu", "seq=64", "model.batch=-1"], ["config error: model.batch=-1: must be"]),
     "bad_decode_preference": ("decode", ["hardware=cpu", "++hardware.policy.by_entry={decode: {win: nope}}"],
                               ["hardware.policy.by_entry.decode.win='nope'", "unknown backend"]),
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,8 +131,21 @@ def valid(v, rule: str) -> bool:
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
 
 
-def check_types(cfg: DictConfig) -> None:
-    """Every key of RULES (and the parity tolerances) has a value of its type and range."""
+def typed_key(cfg: DictConfig, key: str) -> str:
+    """The key a user types for ``key``: the source of its interpolation where its value is one (``decode.batch``
+    is ``${model.batch}``), else ``key``."""
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if isinstance(node, DictConfig) and OmegaConf.is_interpolation(node, last):
+        m = re.fullmatch(r"\$\{([\w.]+)\}", str(OmegaConf.to_container(node, resolve=False)[last]))
+        if m:
+            return m.group(1)
+    return key
+
+
+def check_types(cfg: DictConfig, raw: DictConfig | None = None) -> None:
+    """Every key of RULES (and the parity tolerances) has a value of its type and range in the resolved ``cfg``;
+    an error names the key the user types (``typed_key`` of ``raw``, the config before resolution)."""
     missing = object()
     for key, rule in RULES.items():
         if "." in key and key.split(".")[0] not in cfg:
@@ -140,7 +154,7 @@ def check_types(cfg: DictConfig) -> None:
         if v is missing:
             raise ConfigError(f"{key}: missing; must be {rule}")
         if not valid(v, rule):
-            raise ConfigError(f"{key}={v!r}: must be {rule}")
+            raise ConfigError(f"{typed_key(cfg if raw is None else raw, key)}={v!r}: must be {rule}")
     if "parity" not in cfg:
         return
     ref = cfg.parity.get("ref_dtype")
@@ -260,11 +274,12 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # a copy without the hydra node
     if "hydra" in cfg:
         del cfg["hydra"]
+    raw = cfg.copy()  # its interpolations, for the keys errors name
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
-    check_types(cfg)
+    check_types(cfg, raw)
     if "parallel" in cfg:  # parallel.cp > 1 only under torchrun with WORLD_SIZE == cp (experiments/framework/parallel.py)
         from . import parallel
 
