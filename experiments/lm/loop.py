@@ -98,8 +98,7 @@ def _loss(model, tokens, targets, task, sel_rows=None, detach_q=True):
 def recipe_weight(cfg: RunConfig, step: int, seq_len: int) -> float:
     """The selection loss's weight at update ``step`` (1-based) on sequences of ``seq_len`` tokens: 0 for dense
     and window attention, and where no row chooses blocks (seq_len <= n_sel * l_sel: the top-n takes them all)."""
-    c = cfg.lm.attention_config()
-    if cfg.attention != "nsa" or seq_len <= c.n_sel * c.l_sel:
+    if cfg.attention != "nsa" or seq_len <= recipe.first_row(cfg.lm.attention_config()):
         return 0.0
     return cfg.train.recipe.sel_loss_at(step)
 
@@ -292,8 +291,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     branch_gates = ablations.BranchGates(model.nsa_layers(), tc.ablation.branches)
     gates = probes.GateMeans(model.nsa_layers())
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
-    acfg = cfg.lm.attention_config()
-    first_row = acfg.n_sel * acfg.l_sel  # the selection loss's rows: where the top-n chooses
+    first_row = recipe.first_row(cfg.lm.attention_config())  # the selection loss's rows start there
     last_metrics, completed, t_start = {}, True, time.perf_counter()
     window = _Window(device)
     if tc.compile == "none":

@@ -64,6 +64,12 @@ class Recipe:
         return self.sel_loss if self.sel_loss_steps == 0 or step <= self.sel_loss_steps else 0.0
 
 
+def first_row(config) -> int:
+    """The first query position whose top-n chooses among more than n_sel blocks (n_sel * l_sel): the selection
+    loss reads rows from here, and a sequence no longer than it has none."""
+    return config.n_sel * config.l_sel
+
+
 def gate_parameters(model) -> list[torch.nn.Parameter]:
     """The gate MLPs' parameters (Eq. 5) of every NSA layer of ``model``."""
     return [p for m in model.modules() if isinstance(m, NSAAttention) for p in m.gate.parameters()]
