@@ -40,6 +40,7 @@ train-attn|prefill at lm=small'"'"'s attention shape per SHAPES (seq:batch, defa
 train-shapes|experiments.train needles32k, NSA and dense, each SHAPES stage alone for TRAIN_STEPS (default 60) steps; TRAIN_ARGS (e.g. train.compile=reduce-overhead); AB
 train|experiments.train train=TRAIN (default needles32k) -m attention=ATTN (default nsa,dense); TRAIN_ARGS
 train-jobs|experiments.train jobs side by side, one per line "<name> <overrides>" of the file JOBS (default scripts/train_jobs/recipe_seeds.txt), pinned to the GPUs round robin, each into $OUT/runs/<name>.db (LIMIT_S, default 540 s each); a table of them (scripts/train_summary.py) in $OUT/summary.csv
+train-sweep|experiments.train -m TRAIN (default train=text8k) attention=nsa,dense seed=SEEDS (default 0,1,2,3,4) on hydra/launcher=local_gpus, JOBS_PER_GPU (default 3) jobs sharing each GPU, one parent run in $OUT/train_sweep.db (the curves on one chart; LIMIT_S default 570 s); SWEEP_ARGS adds overrides
 ablations|the needle ablations of train=needles_smoke side by side, ABLATIONS (default p_selection p_branches s_selection p_full_sel; also p_switches p_nsel_gates p_seed1), STEPS_N steps
 kernels|experiments.kernels op=OPS (default every op) at SEQS (default 8k..64k); KERNELS_ARGS
 parity|parity, model=h200bench backend=triton, B=1, at PARITY_SEQS (default 8192)
@@ -257,6 +258,12 @@ step_train_jobs() {
   wait
   python3 scripts/train_summary.py "$OUT/runs" --csv "$OUT/summary.csv"
   tar czf "$OUT/train_runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"
+}
+step_train_sweep() {
+  local SUMMARY='^# '  # the sweep's summary table
+  # shellcheck disable=SC2086  # TRAIN and SWEEP_ARGS hold several overrides
+  run "${LIMIT_S:-570}" train_sweep "$PWD" python3 -- -m experiments.train -m hardware="$HW" ${TRAIN:-train=text8k} attention=nsa,dense \
+    seed="${SEEDS:-0,1,2,3,4}" hydra/launcher=local_gpus hydra.launcher.jobs_per_gpu="${JOBS_PER_GPU:-3}" ${SWEEP_ARGS:-}
 }
 step_ablations() {
   # P: the paper's method without the recipe (one projection per branch, phi = MLP, n_sel = 4, free gates); S: the

@@ -291,3 +291,14 @@ def fast_interpreter():
     interp._patch_lang = fast
     yield
     interp._patch_lang = orig
+
+
+@pytest.fixture(params=["gather", "masked"])
+def attend_path(request, monkeypatch):
+    """Runs a test on both ways the reference computes the selected and sliding branches: each query's
+    gathered key list, and every key under a mask (nsa/reference.py ``_masked_attend``, taken where it is no
+    larger). Forced either way, so neither hides the other at the tests' small shapes."""
+    from nsa import reference
+
+    monkeypatch.setattr(reference, "_masked_cheaper", lambda *a: request.param == "masked")
+    return request.param

@@ -86,7 +86,9 @@ def _check_compiled(backend, compiler, tol):
 EXACT = dict(rtol=1e-6, atol=1e-7)  # aot_eager runs eager's kernels: equal but for summation order in autograd
 
 
-def test_reference_layer_compiles_fullgraph():
+@pytest.mark.parametrize("attend_path", ["gather"], indirect=True)
+def test_reference_layer_compiles_fullgraph(attend_path):
+    """Against eager's gathered form: a graph keeps that form (reference._masked_cheaper), so EXACT holds."""
     _check_compiled("reference", "aot_eager", EXACT)
 
 

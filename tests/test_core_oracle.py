@@ -7,6 +7,7 @@ import torch
 from conftest import ARG_ORDER, make_config, oracle_kwargs, random_inputs
 
 from nsa import functional as fn
+from nsa import reference
 
 TOL = 1e-10
 
@@ -44,6 +45,38 @@ def _case(name):
 
 
 _ORACLE_CACHE: dict = {}
+
+
+_RULE = reference._masked_cheaper  # the rule, before conftest's attend_path forces either path
+pytestmark = pytest.mark.usefixtures("attend_path")
+
+
+def test_masked_path_is_taken_where_it_is_smaller():
+    """The rule: the CPU smoke presets' shapes (4 query heads on 2, S = 256, lists of n_sel * l_sel = 128
+    keys and a window of 32, dims 16) take the masked form; a 32k sequence with 16 query heads on one of
+    dim 64 and a 1024-key list does not."""
+    assert _RULE(4, 2, 256, 128, 16, 16) and _RULE(4, 2, 256, 32, 16, 16)
+    assert not _RULE(16, 1, 32768, 1024, 64, 64)
+
+
+def test_masked_and_gathered_paths_agree_with_gradients(monkeypatch):
+    """The two paths give the same outputs and gradients (float64, 1e-12), with -1 padded lists and a
+    q_start past 0."""
+    cfg, x, _, idx, _ = _oracle_run("cross_nsel_w")
+    idx = idx.clone()
+    idx[..., -1] = -1  # a padded last entry in every list
+    outs = {}
+    for path in ("gather", "masked"):
+        monkeypatch.setattr(reference, "_masked_cheaper", lambda *a, p=path: p == "masked")
+        xs = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+        q = xs["q"][:, 40:]
+        o_sel = fn.selected_attention(q, xs["k_sel"], xs["v_sel"], idx[:, 40:], cfg, q_start=40)
+        o_win = fn.sliding_window_attention(q, xs["k_win"], xs["v_win"], cfg, q_start=40)
+        grads = torch.autograd.grad((o_sel.square().sum() + o_win.sin().sum()),
+                                    [xs[a] for a in ("q", "k_sel", "v_sel", "k_win", "v_win")])
+        outs[path] = (o_sel, o_win, *grads)
+    for a, b in zip(outs["gather"], outs["masked"], strict=True):
+        assert (a - b).abs().max().item() <= 1e-12
 
 
 def _oracle_run(name, seed=0):

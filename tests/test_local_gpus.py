@@ -48,14 +48,16 @@ def _spans(runs, parent):
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
-    """Two sweeps at once: 3 jobs over ids [0, 1], and 2 jobs over the one id [7]."""
+    """Three sweeps at once: 3 jobs over ids [0, 1], 2 jobs over the one id [7], and 2 jobs over [7] with two
+    workers on it (``jobs_per_gpu=2``)."""
     template = entrypoints.make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
-    cases = {"two": ("[0,1]", "seq=256,512,1024"), "one": ("[7]", "seq=256,512")}
+    cases = {"two": ("[0,1]", "seq=256,512,1024"), "one": ("[7]", "seq=256,512"),
+             "shared": ("[7]", "seq=256,512", "hydra.launcher.jobs_per_gpu=2")}
     procs = {}
-    for k, (ids, seqs) in cases.items():
+    for k, (ids, seqs, *more) in cases.items():
         tmp = tmp_path_factory.mktemp(k)
         procs[k] = (tmp, start(tmp, "decode", "-m", "hydra/launcher=local_gpus", f"hydra.launcher.gpus={ids}",
-                               "hardware=cpu", seqs, *QUICK, name=None, template=template))
+                               "hardware=cpu", seqs, *more, *QUICK, name=None, template=template))
     return {k: (tmp, *wait(p)) for k, (tmp, p) in procs.items()}
 
 
@@ -79,6 +81,23 @@ def test_jobs_run_one_per_gpu_at_a_time(sweeps, case, ids, n, cap):
     assert line and line[0].endswith("never two at once on one GPU") and f"at most {at_once} at once" in line[0], line
 
 
+def test_jobs_per_gpu_shares_one_gpu(sweeps):
+    """jobs_per_gpu=2: two workers pinned to the one id, both jobs run there, and where they ran at once the
+    end line says they shared it (never the one-job-a-GPU wording)."""
+    tmp, rc, out, err = sweeps["shared"]
+    assert rc == 0 and "Traceback" not in err, err[-3000:]
+    assert "2 jobs on GPUs 7, 2 jobs per GPU at a time" in err, err[-3000:]
+    c, runs = entrypoints.runs(tmp / "mlflow.db", "decode")
+    parent = [r for r in runs if r.data.tags.get("sweep") == "parent"][0]
+    kids, spans = _spans(runs, parent.info.run_id)
+    assert len(kids) == 2 and {r.info.status for r in kids} == {"FINISHED"} and {g for *_, g in spans} == {"7"}
+    (s1, e1, _), (s2, e2, _) = spans
+    line = [ln for ln in one_line(err) if " jobs ran on GPUs " in ln][0]
+    overlapped = not (e1 <= s2 or e2 <= s1)
+    assert line.endswith("never two at once on one GPU") != overlapped, line
+    assert ("jobs ran at once on one GPU" in line) == overlapped, line
+
+
 @pytest.mark.parametrize("gpus,rule", [("0", "a count from 1 to the 0 GPUs visible here"),
                                        ("[1,1]", "a non-empty list of distinct device ids")])
 def test_bad_gpus_is_one_line_and_no_run(tmp_path, gpus, rule):
@@ -87,6 +106,18 @@ def test_bad_gpus_is_one_line_and_no_run(tmp_path, gpus, rule):
     rc, out, err = wait(p, 120)
     assert rc == 2, err[-2000:]
     assert one_line(err)[-1].startswith("config error: hydra.launcher.gpus=") and rule in one_line(err)[-1], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists() or not entrypoints.runs(tmp_path / "mlflow.db", "decode")[1]
+
+
+@pytest.mark.parametrize("value", ["0", "true", "1.5"])
+def test_bad_jobs_per_gpu_is_one_line_and_no_run(tmp_path, value):
+    p = start(tmp_path, "decode", "-m", "hydra/launcher=local_gpus", "hydra.launcher.gpus=[0]",
+              f"hydra.launcher.jobs_per_gpu={value}", "hardware=cpu", "seq=256", *QUICK, name=None)
+    rc, out, err = wait(p, 120)
+    assert rc == 2, err[-2000:]
+    last = one_line(err)[-1]
+    assert last.startswith("config error: hydra.launcher.jobs_per_gpu=") and "an integer >= 1" in last, err
     assert "Traceback" not in err
     assert not (tmp_path / "mlflow.db").exists() or not entrypoints.runs(tmp_path / "mlflow.db", "decode")[1]
 

@@ -97,6 +97,7 @@ def test_reference_compressed_branch(bad, kind, i):
         assert torch.equal(idx1, idx0)
 
 
+@pytest.mark.usefixtures("attend_path")  # both reference forms (gathered lists, masked keys)
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("u", [5, 21, 39])  # block 0 (forced), a middle block, the last token
@@ -110,6 +111,7 @@ def test_reference_selected_branch(bad, kind, u):
     check_rows(o1, o0, sel_hit(idx, u), "o_sel")
 
 
+@pytest.mark.usefixtures("attend_path")  # both reference forms (gathered lists, masked keys)
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("u", [0, 21, 39])
@@ -122,6 +124,7 @@ def test_reference_window_branch(bad, kind, u):
     check_rows(o1, o0, rows_from(u) & ~rows_from(u + CFG.w), "o_win")
 
 
+@pytest.mark.usefixtures("attend_path")  # both reference forms (gathered lists, masked keys)
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("name", ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"])
 def test_reference_nsa_output(bad, name):
@@ -162,6 +165,7 @@ def test_reference_packed_documents(bad):
     check_rows(o1, o0, (torch.arange(40) == 19)[None, :, None], "packed")
 
 
+@pytest.mark.usefixtures("attend_path")  # both reference forms (gathered lists, masked keys)
 @pytest.mark.parametrize("name", ["k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win"])
 def test_reference_gradients_of_rows_before_a_nan(name):
     """The queries t < u (which cannot see the NaN at u) over all T keys: every input's gradient is that of
@@ -192,6 +196,7 @@ def small_layer(phi: str) -> NSAAttention:
     return NSAAttention(cfg).double()
 
 
+@pytest.mark.usefixtures("attend_path")  # both reference forms (gathered lists, masked keys)
 @pytest.mark.parametrize("bad", list(BAD))
 @pytest.mark.parametrize("phi", ["mlp", "avg"])
 def test_module_bad_input_token(bad, phi):

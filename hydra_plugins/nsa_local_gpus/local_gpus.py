@@ -10,6 +10,9 @@ run carries the tag ``cuda_visible_devices`` like any other (the sweep's end lin
 ``gpus``: a count (the first N visible GPUs) or a list of device ids; null: every visible GPU (the
 ids of this process's ``CUDA_VISIBLE_DEVICES`` where it is set). Ids are not checked against the
 devices present, so CPU jobs (``hardware=cpu``) can be spread over ids that need not exist.
+``jobs_per_gpu`` (default 1): workers per GPU, for jobs too small to fill one (the training presets' small
+models): that many share each GPU at once, and the sweep's end line names the GPUs they shared. Timings of
+jobs that shared a GPU are not those of a job alone.
 
 SIGINT/SIGTERM while the sweep runs: the workers get SIGTERM and exit at once, queued jobs are dropped, and
 the sweep ends the runs they left RUNNING, and its parent, KILLED.
@@ -84,9 +87,10 @@ def gpu_ids(gpus, visible: str | None, count: int) -> list[str]:
 
 
 class LocalGpusLauncher(Launcher):
-    def __init__(self, gpus=None) -> None:
+    def __init__(self, gpus=None, jobs_per_gpu=1) -> None:
         super().__init__()
         self.gpus = gpus
+        self.jobs_per_gpu = jobs_per_gpu
         self.ids: list[str] = []
         self.hydra_context: HydraContext | None = None
         self.task_function: TaskFunction | None = None
@@ -103,6 +107,9 @@ class LocalGpusLauncher(Launcher):
             self.ids = gpu_ids(self.gpus, env.cuda_visible_devices(), torch.cuda.device_count())
         except ValueError as e:
             cli.config_exit(str(e))
+        k = self.jobs_per_gpu
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            cli.config_exit(f"hydra.launcher.jobs_per_gpu={k!r}: an integer >= 1 (jobs at once on each GPU)")
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import multiprocessing as mp
@@ -113,11 +120,14 @@ class LocalGpusLauncher(Launcher):
         assert self.config is not None and job_overrides
         ctx = mp.get_context("spawn")
         slots = ctx.Queue()
-        for i in self.ids:
-            slots.put(i)
+        for _ in range(self.jobs_per_gpu):
+            for i in self.ids:
+                slots.put(i)
         payload = cloudpickle.dumps((self.hydra_context, self.task_function, self.config, Singleton.get_state()))
-        log.info(f"local_gpus: {len(job_overrides)} jobs on GPUs {','.join(self.ids)}, one job per GPU at a time")
-        pool = ProcessPoolExecutor(max_workers=len(self.ids), mp_context=ctx, initializer=_pin, initargs=(slots,))
+        per = "one job per GPU" if self.jobs_per_gpu == 1 else f"{self.jobs_per_gpu} jobs per GPU"
+        log.info(f"local_gpus: {len(job_overrides)} jobs on GPUs {','.join(self.ids)}, {per} at a time")
+        pool = ProcessPoolExecutor(max_workers=len(self.ids) * self.jobs_per_gpu, mp_context=ctx, initializer=_pin,
+                                   initargs=(slots,))
         try:
             futures = []
             for k, overrides in enumerate(job_overrides):
