@@ -256,6 +256,10 @@ step_train_jobs() {
      echo "$name exit $?" >>"$OUT/exits.txt") &
   done <"$JOBS"
   wait
+  # a job that failed before its store opened (a config error) has no row in the table: its exit and last lines
+  grep -v " exit 0$" "$OUT/exits.txt" 2>/dev/null | while read -r name _ rc; do
+    echo "train-jobs: $name exit $rc:"; tail -n 2 "/tmp/runs_$name.log"
+  done
   python3 scripts/train_summary.py "$OUT/runs" --csv "$OUT/summary.csv"
   tar czf "$OUT/train_runs.tgz" -C "$OUT" runs && rm -rf "$OUT/runs"
 }
