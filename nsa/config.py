@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 
 PHI_CHOICES = ("mlp", "avg")
 PHI_INITS = ("random", "mean")
+KV_INITS = ("random", "tied")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class NSAConfig:
     # ~50x smaller than the keys it compresses); "mean" starts the MLP as mean pooling over the block, exactly
     # (GELU(z) - GELU(-z) = z: needs phi_hidden 0 or >= 2 * head dim), and it learns from there.
     phi_init: str = "random"
+    # kv_init (shared_kv = false): "random" keeps each branch's key/value projection's own init; "tied" starts the
+    # compressed and window branches' projections as copies of the selected branch's (the paper's independent
+    # projections, one starting point: compressed scores then rank blocks by the keys the selected branch
+    # reads), and each learns on its own from there.
+    kv_init: str = "random"
     # Biases of the input projections (q and every branch's k/v) and of the output projection, as a converted
     # model's dense attention has them (Qwen2: q/k/v; Llama with attention_bias: all four; nsa.integrations.hf).
     qkv_bias: bool = False
@@ -81,6 +87,8 @@ class NSAConfig:
             object.__setattr__(self, "gate_bias", tuple(float(v) for v in gb))  # hashable, whatever the input
         if self.phi_init not in PHI_INITS:
             bad("phi_init", f"must be one of {PHI_INITS}")
+        if self.kv_init not in KV_INITS:
+            bad("kv_init", f"must be one of {KV_INITS}")
         if self.phi_init == "mean" and self.phi == "mlp" and 0 < self.phi_hidden < 2 * max(self.d_k, self.d_v):
             bad("phi_init", f"'mean' needs phi_hidden >= 2 * max(d_k, d_v) = {2 * max(self.d_k, self.d_v)} (or 0)")
         for f in ("shared_kv", "qkv_bias", "o_bias"):

@@ -235,10 +235,21 @@ class NSAAttention(nn.Module):
         """The config's initialisation choices, over whatever init the parameters have (a model that
         re-initialises its layers calls this after): ``phi_init="mean"`` starts phi's MLPs as mean pooling;
         ``gate_bias`` sets the gate's output bias per branch (every head alike), so the gates start at
-        sigmoid(bias). Their defaults leave the parameters as they are."""
+        sigmoid(bias); ``kv_init="tied"`` copies the selected branch's key/value projections into the compressed
+        and window branches' (separate parameters, equal at the start). Their defaults leave the parameters as
+        they are."""
         if self.config.phi_init == "mean" and self.phi_k is not None:
             self.phi_k.init_mean()
             self.phi_v.init_mean()
+        if self.config.kv_init == "tied" and not self.config.shared_kv:
+            with torch.no_grad():
+                for kind in ("k", "v"):
+                    src = self.kv_proj[f"{kind}_sel"]
+                    for branch in ("cmp", "win"):
+                        dst = self.kv_proj[f"{kind}_{branch}"]
+                        dst.weight.copy_(src.weight)
+                        if dst.bias is not None:
+                            dst.bias.copy_(src.bias)
         if self.config.gate_bias is None:
             return
         last = self.gate[-1] if isinstance(self.gate, nn.Sequential) else self.gate

@@ -156,6 +156,7 @@ def test_recipe_weight_is_off_for_dense_and_where_the_top_n_takes_every_block():
     ("train.recipe.sel_loss=-1", "train.recipe.sel_loss=-1: must be a finite number >= 0"),
     ("train.recipe.sel_loss_rows=0", "train.recipe.sel_loss_rows=0: must be an integer >= 1"),
     ("+train.recipe.warmup=3", "train.recipe: unknown key(s) ['warmup']"),
+    ("lm.nsa.kv_init=shared", "kv_init"),
 ])
 def test_config_errors_through_the_cli(tmp_path, override, msg):
     p = subprocess.run([sys.executable, "-m", "experiments.train", "train=smoke", override,
@@ -200,3 +201,32 @@ def test_the_committed_job_files_compose(jobs):
             assert (r.gate_lr, r.sel_loss, gb) == (0.1, 1.0, (3.0, 3.0, 3.0)), name
         if name.startswith("L_sl"):
             assert (r.gate_lr, r.sel_loss, gb) == (1.0, 1.0, None), name
+
+
+def test_kv_init_tied_starts_the_branches_equal_and_lets_them_part():
+    """lm.nsa.kv_init=tied: in the LM (whose init replaces the module's, then apply_init), the compressed and
+    window branches' key/value projections start as copies of the selected branch's, as separate parameters
+    that differ after one optimizer step; the default leaves them independent."""
+    from experiments.lm.model import LM
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = RunConfig.from_conf(compose("train", ["train=smoke", "lm.nsa.kv_init=tied"]))
+        plain = RunConfig.from_conf(compose("train", ["train=smoke"]))
+    torch.manual_seed(0)
+    model = loop.build_model(cfg, torch.device("cpu"))
+    att = model.nsa_layers()[0]
+    kv = att.kv_proj
+    for kind in ("k", "v"):
+        for branch in ("cmp", "win"):
+            assert torch.equal(kv[f"{kind}_{branch}"].weight, kv[f"{kind}_sel"].weight)
+            assert kv[f"{kind}_{branch}"].weight is not kv[f"{kind}_sel"].weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, 64, (2, 64))
+    out = model(idx)
+    (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+    opt.step()
+    assert not torch.equal(kv["k_cmp"].weight, kv["k_sel"].weight)
+    torch.manual_seed(0)
+    other = loop.build_model(plain, torch.device("cpu")).nsa_layers()[0].kv_proj
+    assert not torch.equal(other["k_cmp"].weight, other["k_sel"].weight)
+    assert isinstance(model, LM)
