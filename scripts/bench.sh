@@ -316,7 +316,6 @@ step_diag() {  # gpu_diag takes its cases from the test suite: tests/ on the pat
 NGPU=${NGPU:-2}
 CP=(hardware="$HW" model=h200bench backend=triton model.timing.warmup=2 model.timing.repeats=5)
 step_hf_generate() {
-  local SUMMARY='^#  seq'  # the summary table's first line
   python3 -c "import transformers, sys; from packaging.version import Version as V; v = transformers.__version__; print('transformers', v); sys.exit(not V('5.17') <= V(v) < V('6'))" \
     || { echo "hf-generate: needs transformers >=5.17,<6, the [hf] extra (the wheelhouse's --hf: python scripts/wheelhouse.py --dest .whl --hf)"; return; }
   run "${T_GEN:-360}" generate "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton generate.check_tokens=false \
