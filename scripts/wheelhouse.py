@@ -6,7 +6,8 @@ pytest (...) but no network needs hydra-core, omegaconf, antlr4-python3-runtime 
 dependencies it lacks. Build them here, where pip reaches the index, carry the folder along, and install
 there with no index::
 
-    python scripts/wheelhouse.py --dest .whl --python-version 3.12     # --peers: also fla-core
+    python scripts/wheelhouse.py --dest .whl --python-version 3.12     # --peers: also fla-core; --hf: transformers
+    python scripts/wheelhouse.py --hf --list      # the requirements it resolves (no network, nothing written)
     # on the GPU host, from the repository root:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 
@@ -16,7 +17,10 @@ the H200 box, or a ``pip freeze``/``pip list`` file taken on the host) and what 
 store does not use (the tracking server, its UI's web stack, Databricks/Docker clients), then
 downloads each remaining wheel with ``--no-deps`` at the resolved version. antlr4-python3-runtime 4.9.3
 (what omegaconf 2.3 needs) is published as a source archive only, so it is built here into a pure-Python
-wheel. The folder must stay under ``--max-mb`` (default 40) so the tree that travels stays small.
+wheel. The folder must stay under ``--max-mb`` (default 40, 64 with ``--hf``) so the tree that travels stays small.
+``--hf`` adds pyproject.toml's ``hf`` extra (transformers 5, safetensors: ``experiments.generate``,
+``lm=hf``): its closure is carried even where the host lists a package (the image's transformers, tokenizers,
+huggingface-hub predate transformers 5's minimum versions), except the long-stable packages of HF_HOST_KEEPS.
 """
 from __future__ import annotations
 
@@ -77,6 +81,13 @@ NOT_NEEDED = [
     "virtualenv", "distlib",  # nox creates no virtualenv in its `local` session
 ]
 
+# In the hf extra's closure, served by the host's own versions (--hf carries the rest of that closure).
+HF_HOST_KEEPS = [
+    "numpy", "packaging", "pyyaml", "tqdm", "typing-extensions", "filelock", "fsspec", "certifi", "typer", "rich",
+    "pygments", "markdown-it-py", "mdurl", "shellingham", "annotated-doc", "pydantic", "pydantic-core",
+    "typing-inspection", "annotated-types", "colorama",
+]
+
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
 
@@ -120,12 +131,12 @@ def resolve(python_version: str, roots: list[str]) -> dict[str, str]:
     return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in data["install"]}
 
 
-def peers_extra() -> list[str]:
-    """The requirements of pyproject.toml's ``peers`` extra."""
+def extra(name: str) -> list[str]:
+    """The requirements of pyproject.toml's extra ``name`` (``peers``, ``hf``)."""
     import tomllib  # Python >= 3.11 (where this script runs: the machine that builds the house)
 
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    return tomllib.loads(text)["project"]["optional-dependencies"]["peers"]
+    return tomllib.loads(text)["project"]["optional-dependencies"][name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-has", default="h200",
                     help="'h200' (built-in list of the H200 box) or a file of `pip freeze`/`pip list` from the host")
     ap.add_argument("--full", action="store_true", help="keep MLflow's server-side dependencies too")
-    ap.add_argument("--max-mb", type=float, default=40.0, help="fail if the house is larger (default 40 MB)")
+    ap.add_argument("--max-mb", type=float, default=None, help="fail if the house is larger (default 40 MB, 64 with --hf)")
     ap.add_argument("--peers", action="store_true",
                     help="also the `peers` extra of pyproject.toml (fla-core: the fla row of prefill and decode)")
+    ap.add_argument("--hf", action="store_true",
+                    help="also the `hf` extra of pyproject.toml (transformers, safetensors: experiments.generate, lm=hf)")
+    ap.add_argument("--list", action="store_true", help="print the requirements to resolve and exit (no network)")
     args = ap.parse_args(argv)
-    roots = ROOTS + (peers_extra() if args.peers else [])
+    hf_roots = extra("hf") if args.hf else []
+    roots = ROOTS + (extra("peers") if args.peers else []) + hf_roots
+    if args.list:
+        print("\n".join(roots + BUILD_FROM_SOURCE))
+        return 0
+    max_mb = args.max_mb if args.max_mb is not None else (64.0 if args.hf else 40.0)
 
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -154,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         if "==" in r:
             n, v = r.split("==")
             closure[norm(n)] = v
+    if hf_roots:  # transformers 5 needs newer versions than a host's: carry its closure (less HF_HOST_KEEPS)
+        keeps = {norm(n) for n in HF_HOST_KEEPS}
+        skip -= {n for n in resolve(args.python_version, hf_roots) if n not in keeps}
     wanted = {n: v for n, v in sorted(closure.items()) if n not in skip}
 
     # Drop wheels from an earlier build that are not wanted now (one version of each package only).
@@ -187,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped_here = sorted(n for n in closure if n in skip and n not in have)
     if skipped_here:
         print(f"left out (not used for tracking to a local store; --full keeps them): {', '.join(skipped_here)}")
-    if total > args.max_mb * 1e6:
-        print(f"error: {total / 1e6:.1f} MB is over --max-mb {args.max_mb}", file=sys.stderr)
+    if total > max_mb * 1e6:
+        print(f"error: {total / 1e6:.1f} MB is over --max-mb {max_mb}", file=sys.stderr)
         return 1
     print("\nOn the GPU host, from the repository root:")
     print(f"python3 -m pip install -q --no-index --no-deps --target /tmp/site {dest}/*.whl && export PYTHONPATH=/tmp/site")

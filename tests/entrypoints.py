@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parent.parent
-ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train", "generate")
 INTERPRET = "TRITON_INTERPRET=1 "  # a documented command may start so: the triton kernels on this CPU
 
 

@@ -373,7 +373,8 @@ OWN_GROUPS = {"decode": ({"backend", "hardware", "model", "seq_len"}, "attention
               "parity": ({"backend", "hardware", "model", "seq_len"}, "train"),
               "kernels": ({"op", "hardware", "model"}, "attention"),
               "validate": ({"hardware", "tracking"}, "op"),
-              "train": ({"attention", "data", "lm", "train", "hardware"}, "op")}
+              "train": ({"attention", "data", "lm", "train", "hardware"}, "op"),
+              "generate": ({"attention", "backend", "hardware", "model"}, "data")}
 
 
 @pytest.mark.parametrize("entry", ENTRIES)

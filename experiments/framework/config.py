@@ -30,13 +30,14 @@ from .errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
-ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train")  # experiments.<entry>
+ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train", "generate")  # experiments.<entry>
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
-ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config"}
+ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config",
+                "generate": "experiments.generate:check_config"}
 # Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
 # nothing meaningful on a CPU, so these refuse one there (check_timed_device).
-TIMED = ("decode", "prefill", "kernels", "train")
+TIMED = ("decode", "prefill", "kernels", "train", "generate")
 
 
 class ResourceLimit(RuntimeError):

@@ -47,7 +47,7 @@ HEADLINE = "0_"  # prefix of a job's headline metrics: they sort first in MLflow
 # Overrides a sweeper adds to each job (its store and parent); not part of what tells jobs apart.
 SWEEPER_KEYS = ("tracking.uri", "tracking.parent_run_id")
 # Entry points whose headline figures are times, and what such figures are when they ran on a CPU.
-TIME_FIGURES = ("decode", "prefill", "kernels")
+TIME_FIGURES = ("decode", "prefill", "kernels", "generate")
 CPU_FIGURES = ("note:    these times are from a CPU (the reference backend, Triton's interpreter): they check that the "
                "pipeline runs and is correct; they do not measure NSA's speed, which needs a GPU")
 
