@@ -53,7 +53,7 @@ from omegaconf import DictConfig
 
 from nsa import NSAAttention
 from nsa.compat import SDPA_ENABLE_GQA
-from nsa.backends.triton.utils import p2
+from nsa.backends.triton.decode_attention import device_params, workspace_bytes
 from nsa.decode import GraphDecoder, tokens_read
 from nsa.dispatch import BRANCHES
 
@@ -98,10 +98,10 @@ def memory_parts(job: Job) -> dict[str, float]:
       queries, gates and the six key/value projections, RoPE's float32 temporaries of the queries (four of
       their size), phi's input blocks of the compressed tokens the pass completes;
     * ``weights``: the layer's parameters (and GraphDecoder's copy of the projections);
-    * ``step``: on the GraphDecoder path the decode kernels' float32 workspaces (``DecodeKernels.__init__``,
-      nsa/backends/triton/decode_attention.py: scores and Eq. 10 sums per group, and per selected-branch program of
-      the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
-      module path a float32 copy of the compressed cache (the reference's upcast);
+    * ``step``: on the GraphDecoder path the decode kernels' workspaces as the kernels size them
+      (``decode_attention.workspace_bytes`` of ``device_params``: the same launch parameters, tuning overrides
+      and split rules as ``DecodeKernels``; its prologue's few buffers aside); on the module path a float32
+      copy of the compressed cache (the reference's upcast);
     * ``dense``: the dense baseline's keys/values repeated to every query head, where SDPA has no
       ``enable_gqa`` (``nsa.compat.sdpa_gqa``; with it SDPA reads the grouped cache in place) or runs its math
       kernel (``measure.dense.math_path``: a CPU where d_k != d_v; the keys once more, transposed, and the
@@ -113,7 +113,7 @@ def memory_parts(job: Job) -> dict[str, float]:
     * ``peers``: fla's pooled keys/values of the whole cache (``decode.peers``, where fla runs)."""
     c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
     c = c.bounded(S)  # n_sel beyond the cache's blocks: the decoder sizes its buffers by the blocks (NSAConfig.bounded)
-    B, H, HQ, G, kv = d.batch, c.n_kv_heads, c.n_heads, c.G, c.d_k + c.d_v
+    B, H, HQ, kv = d.batch, c.n_kv_heads, c.n_heads, c.d_k + c.d_v
     acc = 8 if job.dtype == torch.float64 else 4
     Tc = c.n_cmp(S)
     per = min(fill_per_seq(d.fill_tokens, B), max(S - 1, 1))
@@ -125,12 +125,8 @@ def memory_parts(job: Job) -> dict[str, float]:
         weights = sum(p.numel() for p in NSAAttention(c).parameters()) * e
     cache = 3 * B * S * H * kv * e + B * Tc * H * kv * e
     if uses_decoder(job):
-        n_sm = torch.cuda.get_device_properties(job.device).multi_processor_count
-        TCS, BG, BDV = max(Tc, 1), p2(G, 16), p2(c.d_v, 16)
-        nsc = min(32, max(1, -(-4 * n_sm // (B * H))))  # launch_params' compressed splits (untuned)
-        rows = B * H * (nsc + c.n_sel + -(-min(c.w, S) // 16))  # partials: per split
-        sums = B * H * c.n_sel if B * H * c.n_sel <= n_sm else 0  # mode three: Eq. 10 sums per selected program
-        step = (B * H * (G + 1) + sums) * TCS * 4 + rows * BG * (BDV + 2) * 4 + B * HQ * c.d_v * (4 + e)
+        # the kernels' own sizing (nsa.backends.triton.decode_attention): launch parameters, then workspaces
+        step = workspace_bytes(c, B, device_params(c, B, S, job.device), job.dtype)
         cache += B * (Tc + 1) * H * kv * e
         weights += (HQ * c.d_k + 3 * H * kv) * c.dim * e
     else:
