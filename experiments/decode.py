@@ -19,7 +19,9 @@ applies). Rows (column ``variant``):
   cache, where it can run the shape; else a tag ``peer_fla`` says why).
 
 Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
-batch and groups), beside the paper's formula; bytes are summed over batch and groups.
+batch and groups), beside the paper's formula; bytes are summed over batch and groups. Every run logs them
+with the HBM floor (bytes / the profile's peak_hbm_gbps) as metrics ``kv_tokens_read_per_step_per_group/<variant>``,
+``kv_bytes_read_per_step/<variant>`` and ``hbm_floor_ms/<variant>`` (headline: ``0_nsa_hbm_floor_ms``, ...).
 
 Timing on a GPU (``decode.cuda_graph``): each row is captured ``decode.graph_reps`` times in a row in
 ONE CUDA graph, and the time of a replay divided by that number is the step's time (p20/p50/p80_ms).
@@ -66,6 +68,9 @@ from .measure.timing import decode_launch_tags, graph_ms, graph_step, quantiles,
 from .measure.tokens import branch_tokens, formula_tokens, ragged_parts, selected_tokens, variant_tokens
 
 log = logging.getLogger("experiments.decode")
+
+# Row columns logged per variant as metrics ``<column>/<variant>`` on a single run: what the step reads
+READ_METRICS = ("kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step", "hbm_floor_ms")
 
 
 def check_config(job: Job) -> None:
@@ -332,13 +337,17 @@ def work(job: Job) -> Result:
             **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
         }
         rows.append(row)
+    # What each variant's step reads and its HBM floor, on this run too (the sweep's parent charts them by seq)
+    metrics.update({f"{k}/{r['variant']}": float(r[k]) for r in rows for k in READ_METRICS})
     metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
     if dev.type == "cuda":
         metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     by = {r["variant"]: r for r in rows}
     headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
                 "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
-                "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
+                "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"],
+                "nsa_kv_tokens_read_per_step_per_group": by["nsa"]["kv_tokens_read_per_step_per_group"],
+                "nsa_hbm_floor_ms": by["nsa"]["hbm_floor_ms"]}
     # The sweep's parent charts each of these per variant against seq (metrics <y>/<variant>): the latency
     # and speedup, and what a step reads (tokens, bytes), its HBM floor and share of the roofline.
     charts = Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x", "kv_tokens_read_per_step_per_group",
