@@ -19,7 +19,9 @@ applies). Rows (column ``variant``):
   cache, where it can run the shape; else a tag ``peer_fla`` says why).
 
 Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
-batch and groups), beside the paper's formula; bytes are summed over batch and groups.
+batch and groups), beside the paper's formula; bytes are summed over batch and groups. Every run logs them
+with the HBM floor (bytes / the profile's peak_hbm_gbps) as metrics ``kv_tokens_read_per_step_per_group/<variant>``,
+``kv_bytes_read_per_step/<variant>`` and ``hbm_floor_ms/<variant>`` (headline: ``0_nsa_hbm_floor_ms``, ...).
 
 Timing on a GPU (``decode.cuda_graph``): each row is captured ``decode.graph_reps`` times in a row in
 ONE CUDA graph, and the time of a replay divided by that number is the step's time (p20/p50/p80_ms).
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import hydra
 import torch
@@ -53,7 +56,7 @@ from omegaconf import DictConfig
 
 from nsa import NSAAttention
 from nsa.compat import SDPA_ENABLE_GQA
-from nsa.backends.triton.utils import p2
+from nsa.backends.triton.decode_attention import device_params, workspace_bytes
 from nsa.decode import GraphDecoder, tokens_read
 from nsa.dispatch import BRANCHES
 
@@ -66,6 +69,9 @@ from .measure.timing import decode_launch_tags, graph_ms, graph_step, quantiles,
 from .measure.tokens import branch_tokens, formula_tokens, ragged_parts, selected_tokens, variant_tokens
 
 log = logging.getLogger("experiments.decode")
+
+# Row columns logged per variant as metrics ``<column>/<variant>`` on a single run: what the step reads
+READ_METRICS = ("kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step", "hbm_floor_ms")
 
 
 def check_config(job: Job) -> None:
@@ -98,10 +104,10 @@ def memory_parts(job: Job) -> dict[str, float]:
       queries, gates and the six key/value projections, RoPE's float32 temporaries of the queries (four of
       their size), phi's input blocks of the compressed tokens the pass completes;
     * ``weights``: the layer's parameters (and GraphDecoder's copy of the projections);
-    * ``step``: on the GraphDecoder path the decode kernels' float32 workspaces (``DecodeKernels.__init__``,
-      nsa/backends/triton/decode_attention.py: scores and Eq. 10 sums per group, and per selected-branch program of
-      the three-launch step, where B*H leaves SMs idle; split partials, bounded by its split rules); on the
-      module path a float32 copy of the compressed cache (the reference's upcast);
+    * ``step``: on the GraphDecoder path the decode kernels' workspaces as the kernels size them
+      (``decode_attention.workspace_bytes`` of ``device_params``: the same launch parameters, tuning overrides
+      and split rules as ``DecodeKernels``; its prologue's few buffers aside); on the module path a float32
+      copy of the compressed cache (the reference's upcast);
     * ``dense``: the dense baseline's keys/values repeated to every query head, where SDPA has no
       ``enable_gqa`` (``nsa.compat.sdpa_gqa``; with it SDPA reads the grouped cache in place) or runs its math
       kernel (``measure.dense.math_path``: a CPU where d_k != d_v; the keys once more, transposed, and the
@@ -113,7 +119,7 @@ def memory_parts(job: Job) -> dict[str, float]:
     * ``peers``: fla's pooled keys/values of the whole cache (``decode.peers``, where fla runs)."""
     c, d, S, e = job.nsa, job.cfg.decode, job.seq, job.dtype.itemsize
     c = c.bounded(S)  # n_sel beyond the cache's blocks: the decoder sizes its buffers by the blocks (NSAConfig.bounded)
-    B, H, HQ, G, kv = d.batch, c.n_kv_heads, c.n_heads, c.G, c.d_k + c.d_v
+    B, H, HQ, kv = d.batch, c.n_kv_heads, c.n_heads, c.d_k + c.d_v
     acc = 8 if job.dtype == torch.float64 else 4
     Tc = c.n_cmp(S)
     per = min(fill_per_seq(d.fill_tokens, B), max(S - 1, 1))
@@ -125,12 +131,8 @@ def memory_parts(job: Job) -> dict[str, float]:
         weights = sum(p.numel() for p in NSAAttention(c).parameters()) * e
     cache = 3 * B * S * H * kv * e + B * Tc * H * kv * e
     if uses_decoder(job):
-        n_sm = torch.cuda.get_device_properties(job.device).multi_processor_count
-        TCS, BG, BDV = max(Tc, 1), p2(G, 16), p2(c.d_v, 16)
-        nsc = min(32, max(1, -(-4 * n_sm // (B * H))))  # launch_params' compressed splits (untuned)
-        rows = B * H * (nsc + c.n_sel + -(-min(c.w, S) // 16))  # partials: per split
-        sums = B * H * c.n_sel if B * H * c.n_sel <= n_sm else 0  # mode three: Eq. 10 sums per selected program
-        step = (B * H * (G + 1) + sums) * TCS * 4 + rows * BG * (BDV + 2) * 4 + B * HQ * c.d_v * (4 + e)
+        # the kernels' own sizing (nsa.backends.triton.decode_attention): launch parameters, then workspaces
+        step = workspace_bytes(c, B, device_params(c, B, S, job.device), job.dtype)
         cache += B * (Tc + 1) * H * kv * e
         weights += (HQ * c.d_k + 3 * H * kv) * c.dim * e
     else:
@@ -162,118 +164,155 @@ def check_fits(job: Job) -> dict[str, float]:
 
 
 def work(job: Job) -> Result:
+    """decode's job (module docstring): the cache filled to seq-1, then each variant's step timed.
+
+    Arguments:
+        job: the prepared job (``config.prepare``).
+
+    Returns:
+        One CSV row per variant (times, keys/values read, HBM floor, speedup), the run's metrics (per variant
+        what it reads, the kernels' own token counts, the memory estimate and peak), the headline, the charts
+        a sweep draws, and tags (the launch parameters, ragged lengths, peers skipped).
+    """
     d, c, S = job.cfg.decode, job.nsa, job.seq
     mem = check_fits(job)
     B, dev, dt = d.batch, job.device, job.dtype
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    bw, branch = float(job.profile.peak_hbm_gbps), job.branch
-    elem = torch.empty((), dtype=dt).element_size()
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
-    step_layer = layer if branch == "none" else ForcedBranch(layer, branch)
-    rows, metrics, tags = [], {}, {}
-    # On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder
-    # (fused decode kernels, device-side position, CUDA graphs); elsewhere through the module's forward.
-    graphs = bool(d.cuda_graph) and dev.type == "cuda"
-    use_decoder = uses_decoder(job)
-    timed = ["layer", "nsa"] + (["cmp", "sel", "win"] if branch == "none" and d.per_branch else []) + ["dense"]
+    metrics, tags, texts = {}, {}, {}
     # decode.ragged: each sequence's own context length L (None: every row at seq)
     L = ragged_lengths(S, B, job.cfg.seed) if d.get("ragged", False) else None
-    texts = {}
     if L is not None:
-        lens = json.dumps(L.tolist())
-        tags["ragged_lengths"] = lens
-        if len(lens) > 5000:  # a tag holds 5000 characters: the whole list as an artifact too
-            texts["ragged_lengths.json"] = lens
-        metrics.update(ragged_min_tokens=float(L.min()), ragged_mean_tokens=float(L.double().mean()),
-                       ragged_max_tokens=float(L.max()))
-        log.info(f"[decode] seq={S} ragged: context lengths {L.tolist()} (min {int(L.min())}, "
-                 f"mean {float(L.double().mean()):.1f}, max {int(L.max())})")
-        if d.peers:
-            tags["ragged_skipped"] = "peers"
-            log.info(f"[decode] seq={S} ragged: peers {list(d.peers)} skipped (they take one length for the batch)")
-
-    def progress(i, name, q):
-        log.info(f"[decode] seq={S} [{i}/{len(timed)}] {name}: p50 {q['p50_ms']:.4f} ms")
-
-    def graph_capture(fn):
-        return graph_step(fn, dev)
-
-    def time_step(capture, fn):
-        """Quantiles of one call of fn: from graphs of decode.graph_reps calls on CUDA, eager on CPU."""
-        if not graphs:
-            return quantiles(time_ms(fn, dev, d.warmup, d.repeats))
-        return graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
-
+        _note_ragged(job, L, metrics, tags, texts)
+    timed = ["layer", "nsa"] + (["cmp", "sel", "win"] if job.branch == "none" and d.per_branch else []) + ["dense"]
     with torch.no_grad():
-        cache = layer.new_cache(B, S, dev, dt)
-        fill_cache(layer, cache, S - 1, d.fill_tokens)  # positions 0 .. S-2
-        xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
+        times, parts, peer = _measure(job, layer, L, timed, metrics, tags)
+    timed += list(peer)
+    rows = [_row(job, v, times, parts, peer, L) for v in timed]
+    # What each variant's step reads and its HBM floor, on this run too (the sweep's parent charts them by seq)
+    metrics.update({f"{k}/{r['variant']}": float(r[k]) for r in rows for k in READ_METRICS})
+    metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
+    if dev.type == "cuda":
+        metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    by = {r["variant"]: r for r in rows}
+    headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
+                "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
+                "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"],
+                "nsa_kv_tokens_read_per_step_per_group": by["nsa"]["kv_tokens_read_per_step_per_group"],
+                "nsa_hbm_floor_ms": by["nsa"]["hbm_floor_ms"]}
+    # The sweep's parent charts each of these per variant against seq (metrics <y>/<variant>): the latency
+    # and speedup, and what a step reads (tokens, bytes), its HBM floor and share of the roofline.
+    charts = Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x", "kv_tokens_read_per_step_per_group",
+                                              "kv_bytes_read_per_step", "hbm_floor_ms", "kv_bw_roofline_pct"))
+    return Result(rows, metrics, headline=headline, charts=charts, tags=tags, texts=texts)
 
-        def place(k: int):
-            """Every row at its step's position (k=0: seq-1, or L_b-1), or just past it (k=1)."""
-            if L is None:
-                cache.length = S - 1 + k
-            else:
-                cache.lengths = L - 1 + k
 
-        place(0)  # before the decoder reads the positions
+def _note_ragged(job: Job, L: torch.Tensor, metrics: dict, tags: dict, texts: dict) -> None:
+    """decode.ragged's lengths ``L`` on the run (tag ``ragged_lengths``, an artifact too where the tag cannot
+    hold them; metrics ``ragged_min/mean/max_tokens``) and in the log; peers are skipped (tag)."""
+    d, S = job.cfg.decode, job.seq
+    lens = json.dumps(L.tolist())
+    tags["ragged_lengths"] = lens
+    if len(lens) > 5000:  # a tag holds 5000 characters: the whole list as an artifact too
+        texts["ragged_lengths.json"] = lens
+    metrics.update(ragged_min_tokens=float(L.min()), ragged_mean_tokens=float(L.double().mean()),
+                   ragged_max_tokens=float(L.max()))
+    log.info(f"[decode] seq={S} ragged: context lengths {L.tolist()} (min {int(L.min())}, "
+             f"mean {float(L.double().mean()):.1f}, max {int(L.max())})")
+    if d.peers:
+        tags["ragged_skipped"] = "peers"
+        log.info(f"[decode] seq={S} ragged: peers {list(d.peers)} skipped (they take one length for the batch)")
+
+
+def _progress(S: int, i: int, n: int, name: str, q: dict) -> None:
+    """The log line of variant ``name``, the i-th of n timed."""
+    log.info(f"[decode] seq={S} [{i}/{n}] {name}: p50 {q['p50_ms']:.4f} ms")
+
+
+def _graphs(job: Job) -> bool:
+    """Timed steps are captured in CUDA graphs (decode.cuda_graph, on CUDA)."""
+    return bool(job.cfg.decode.cuda_graph) and job.device.type == "cuda"
+
+
+def _capture(job: Job) -> Callable:
+    """The module path's graph capture: ``measure.timing.graph_step`` on the job's device."""
+    return lambda fn: graph_step(fn, job.device)
+
+
+def _time_step(job: Job, capture: Callable, fn: Callable) -> dict[str, float]:
+    """Quantiles of one call of fn: from graphs of decode.graph_reps calls (``capture``) on CUDA, eager on CPU."""
+    d, dev = job.cfg.decode, job.device
+    if not _graphs(job):
+        return quantiles(time_ms(fn, dev, d.warmup, d.repeats))
+    return graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
+
+
+def _place(cache, S: int, L: torch.Tensor | None, k: int) -> None:
+    """Every row of ``cache`` at its step's position (k=0: seq-1, or L_b-1), or just past it (k=1)."""
+    if L is None:
+        cache.length = S - 1 + k
+    else:
+        cache.lengths = L - 1 + k
+
+
+def _measure(job: Job, layer: NSAAttention, L: torch.Tensor | None, timed: list[str], metrics: dict, tags: dict):
+    """Fill a cache to seq-1 and time each variant of ``timed`` (then the peers) at the step's position.
+
+    On CUDA with the triton backend for every branch, the step runs through nsa.decode.GraphDecoder (fused
+    decode kernels, device-side position, CUDA graphs; its kernel counters are checked against the indices,
+    metrics ``kernel_counted_*``); elsewhere through the module's forward.
+
+    Returns:
+        (variant -> quantiles, branch -> the tokens each group's step reads ``[B,1,H]``, peer name -> its row
+        (``peers.rows``)).
+    """
+    d, c, S, dev, dt, branch = job.cfg.decode, job.nsa, job.seq, job.device, job.dtype, job.branch
+    B, n = d.batch, len(timed)
+    use_decoder, capture = uses_decoder(job), _capture(job)
+    cache = layer.new_cache(B, S, dev, dt)
+    fill_cache(layer, cache, S - 1, d.fill_tokens)  # positions 0 .. S-2
+    xs = torch.randn(B, 1, c.dim, device=dev, dtype=dt)
+    _place(cache, S, L, 0)  # before the decoder reads the positions
+    dec = None
+    if use_decoder:
+        # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
+        dec = GraphDecoder(layer, cache)
+        tags.update(decode_launch_tags(dec))
+        forced = BRANCHES if branch == "none" else (branch,)
+        times = {"layer": _time_step(job, lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
+    else:
+        step_layer = layer if branch == "none" else ForcedBranch(layer, branch)
 
         def layer_step():
-            place(0)
+            _place(cache, S, L, 0)
             step_layer(xs, cache)
 
+        times = {"layer": _time_step(job, capture, layer_step)}
+    _progress(S, 1, n, "layer", times["layer"])
+    _place(cache, S, L, 1)
+    inp = rows_in = parts = None
+    if L is None:
+        inp = cache_inputs(layer, cache, xs)
+        q_all, g_all = inp.q, inp.gates
+        # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
+        t = torch.tensor(S - 1, device=dev)
+        idx = selection_indices(inp, c, job.plan, job.fallback)
+        parts = branch_tokens(c, t, selected_tokens(idx, c, S - 1))
+    else:  # each row's query at its own position, over views of its own keys
+        rows_in = ragged_inputs(layer, cache, xs)
+        q_all, g_all = torch.cat([x.q for x in rows_in]), torch.cat([x.gates for x in rows_in])
+        if not use_decoder:  # each row's own top-n (the configured cmp backend)
+            parts = ragged_parts(rows_in, c, job.plan, job.fallback)
+    if use_decoder:
+        q_d, g_d = q_all[:, 0], g_all[:, 0]
+        parts = _checked_counts(dec, c, S, L, q_d, g_d, parts, metrics)
+    for i, v in enumerate(timed[1:-1], 2):
         if use_decoder:
-            # nsa.decode.GraphDecoder: device-side position, one CUDA graph per variant (the GPU path).
-            dec = GraphDecoder(layer, cache)
-            tags.update(decode_launch_tags(dec))
-            forced = BRANCHES if branch == "none" else (branch,)
-            times = {"layer": time_step(lambda f: dec.graph(f).replay, dec.step_fn(xs, branches=forced, advance=False))}
+            brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
+            times[v] = _time_step(job, lambda f: dec.graph(f).replay,
+                                  lambda brs=brs, v=v: dec.attend(q_d, g_d, branches=brs, combine=(v == "nsa")))
         else:
-            times = {"layer": time_step(graph_capture, layer_step)}
-        progress(1, "layer", times["layer"])
-        place(1)
-        if L is None:
-            inp = cache_inputs(layer, cache, xs)
-            q_all, g_all = inp.q, inp.gates
-            # What the step reads: selected blocks from the configured cmp backend, ranges from the spec.
-            t = torch.tensor(S - 1, device=dev)
-            idx = selection_indices(inp, c, job.plan, job.fallback)
-            parts = branch_tokens(c, t, selected_tokens(idx, c, S - 1))
-        else:  # each row's query at its own position, over views of its own keys
-            rows_in = ragged_inputs(layer, cache, xs)
-            q_all, g_all = torch.cat([x.q for x in rows_in]), torch.cat([x.gates for x in rows_in])
-            if not use_decoder:  # each row's own top-n (the configured cmp backend)
-                parts = ragged_parts(rows_in, c, job.plan, job.fallback)
-        if use_decoder:
-            # The decode kernels' own counters must agree with the count from the indices.
-            q_d, g_d = q_all[:, 0], g_all[:, 0]
-            dec.attend(q_d, g_d, position=S - 1 if L is None else L - 1, count=True)
-            if L is None:
-                counted = dec.token_counts().double().mean((0, 1)).tolist()
-                for b, n in zip(BRANCHES, counted):
-                    metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
-                    if abs(n - float(parts[b].double().mean())) > 0:
-                        raise RuntimeError(f"decode kernels counted {n} {b} tokens, indices give "
-                                           f"{float(parts[b].double().mean())}")
-            else:  # per row, at its own length: the decoder's own indices, and its counters row by row
-                read = tokens_read(c, L, dec.indices())
-                parts = {b: read[b][:, None] for b in BRANCHES}  # [B,1,H], as the uniform count
-                counted = dec.token_counts().double().cpu()  # [B,H,3]
-                for j, b in enumerate(BRANCHES):
-                    metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = float(counted[..., j].mean())
-                    per_row, want = counted[..., j].mean(1), parts[b].double().mean((1, 2))
-                    if not torch.equal(per_row, want):
-                        r = int((per_row != want).nonzero()[0])
-                        raise RuntimeError(f"decode kernels counted {float(per_row[r])} {b} tokens in row {r} "
-                                           f"(length {int(L[r])}), indices give {float(want[r])}")
-        for i, v in enumerate(timed[1:-1], 2):
-            if use_decoder:
-                brs = (BRANCHES if branch == "none" else (branch,)) if v == "nsa" else (v,)
-                times[v] = time_step(lambda f: dec.graph(f).replay,
-                                     lambda brs=brs, v=v: dec.attend(q_d, g_d, branches=brs, combine=(v == "nsa")))
-                progress(i, v, times[v])
-                continue
             forced = branch if v == "nsa" else v
 
             def step(forced=forced):
@@ -282,72 +321,97 @@ def work(job: Job) -> Result:
                 else:
                     ragged_core(forced, rows_in, c, job.plan, job.fallback, job.cfg.streams)
 
-            times[v] = time_step(graph_capture, step)
-            progress(i, v, times[v])
-        if L is None:
-            qd, kd, vd = inp.q, inp.k_win, inp.v_win
-            times["dense"] = time_step(graph_capture, lambda: dense_attention(qd, kd, vd, causal=False))
-        else:  # SDPA over each row's own L_b keys: a key mask over the cache
-            mask, kd, vd = key_mask(L, S, dev), cache.k_win[:, :S], cache.v_win[:, :S]
-            times["dense"] = time_step(graph_capture, lambda: dense_attention_ragged(q_all, kd, vd, mask))
-        progress(len(timed), "dense", times["dense"])
-        peer = peers.rows(d.peers, inp, c, dev, tags) if L is None else {}
-        for v, p in peer.items():
-            timed.append(v)
-            times[v] = quantiles(time_ms(graph_step(p.fn, dev) if graphs else p.fn, dev,
-                                                         d.warmup, d.repeats))
-            progress(len(timed), v, times[v])
+            times[v] = _time_step(job, capture, step)
+        _progress(S, i, n, v, times[v])
+    if L is None:
+        qd, kd, vd = inp.q, inp.k_win, inp.v_win
+        times["dense"] = _time_step(job, capture, lambda: dense_attention(qd, kd, vd, causal=False))
+    else:  # SDPA over each row's own L_b keys: a key mask over the cache
+        mask, kd, vd = key_mask(L, S, dev), cache.k_win[:, :S], cache.v_win[:, :S]
+        times["dense"] = _time_step(job, capture, lambda: dense_attention_ragged(q_all, kd, vd, mask))
+    _progress(S, n, n, "dense", times["dense"])
+    peer = peers.rows(d.peers, inp, c, dev, tags) if L is None else {}
+    for i, (v, p) in enumerate(peer.items(), n + 1):
+        times[v] = quantiles(time_ms(graph_step(p.fn, dev) if _graphs(job) else p.fn, dev, d.warmup, d.repeats))
+        _progress(S, i, i, v, times[v])
+    return times, parts, peer
+
+
+def _checked_counts(dec: GraphDecoder, c, S: int, L: torch.Tensor | None, q_d, g_d, parts, metrics: dict):
+    """One counted step of the decoder's kernels: their own counters must agree with the count from the
+    indices (RuntimeError otherwise); metrics ``kernel_counted_<branch>_tokens_per_step_per_group``.
+
+    Returns:
+        branch -> tokens read ``[B,1,H]``: ``parts`` (uniform), or per row at its own length from the
+        decoder's own indices (ragged).
+    """
+    dec.attend(q_d, g_d, position=S - 1 if L is None else L - 1, count=True)
+    if L is None:
+        counted = dec.token_counts().double().mean((0, 1)).tolist()
+        for b, n in zip(BRANCHES, counted):
+            metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = n
+            if abs(n - float(parts[b].double().mean())) > 0:
+                raise RuntimeError(f"decode kernels counted {n} {b} tokens, indices give "
+                                   f"{float(parts[b].double().mean())}")
+        return parts
+    # per row, at its own length: the decoder's own indices, and its counters row by row
+    read = tokens_read(c, L, dec.indices())
+    parts = {b: read[b][:, None] for b in BRANCHES}  # [B,1,H], as the uniform count
+    counted = dec.token_counts().double().cpu()  # [B,H,3]
+    for j, b in enumerate(BRANCHES):
+        metrics[f"kernel_counted_{b}_tokens_per_step_per_group"] = float(counted[..., j].mean())
+        per_row, want = counted[..., j].mean(1), parts[b].double().mean((1, 2))
+        if not torch.equal(per_row, want):
+            r = int((per_row != want).nonzero()[0])
+            raise RuntimeError(f"decode kernels counted {float(per_row[r])} {b} tokens in row {r} "
+                               f"(length {int(L[r])}), indices give {float(want[r])}")
+    return parts
+
+
+def _row(job: Job, v: str, times: dict, parts: dict, peer: dict, L: torch.Tensor | None) -> dict:
+    """Variant ``v``'s CSV row: its times, the keys/values its step reads (tokens per group, beside the
+    paper's formula; bytes over batch and groups), their rate against the profile's peak HBM bandwidth, its
+    HBM floor and its speedup over dense."""
+    c, S, B, branch = job.nsa, job.seq, job.cfg.decode.batch, job.branch
+    bw, elem = float(job.profile.peak_hbm_gbps), job.dtype.itemsize
+    use_decoder = uses_decoder(job)
 
     def per_seq(f):
         """A count at context length n: at seq, or its mean over the rows' own lengths (ragged)."""
         return f(S) if L is None else sum(f(n) for n in L.tolist()) / B
 
-    for v in timed:
-        if v == "dense":
-            tok = torch.full((B, 1, c.n_kv_heads), S) if L is None else L[:, None, None].expand(B, 1, c.n_kv_heads)
-            formula = per_seq(lambda n: n)
-        elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
-            tok = S + sum(parts[b] for b in peer[v].branches).cpu()
-            formula = formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
-        else:
-            what = branch if v in ("layer", "nsa") else v
-            tok = variant_tokens(what, parts).cpu()
-            formula = per_seq(lambda n, what=what: formula_tokens(what, c, n))
-            if use_decoder and v == "sel":
-                # The decoder's sel kernel alone reuses the step's top-n: it reads the selected tokens only.
-                tok, formula = parts["sel"].cpu(), per_seq(lambda n: min(c.n_sel * c.l_sel, n))
-        kv_bytes = int(tok.sum()) * (c.d_k + c.d_v) * elem
-        q = times[v]
-        gbps = kv_bytes / (q["p50_ms"] * 1e-3) / 1e9
-        row = {
-            "seq_tokens": S, "batch_seqs": B,
-            **({} if L is None else {"ragged": True, "ragged_mean_tokens": float(L.double().mean())}),
-            "variant": v, "branch_force": branch,
-            "step_path": "graph_decoder" if use_decoder else "module",
-            "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
-            "dtype": str(dt).replace("torch.", ""),
-            **q,
-            "kv_tokens_read_per_step_per_group": float(tok.double().mean()),
-            "kv_tokens_formula_per_step_per_group": formula,
-            "kv_bytes_read_per_step": kv_bytes,
-            "kv_gb_per_s": gbps,
-            "kv_bw_roofline_pct": 100.0 * gbps / bw,
-            "hbm_floor_ms": kv_bytes / (bw * 1e9) * 1e3,
-            **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
-        }
-        rows.append(row)
-    metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
-    if dev.type == "cuda":
-        metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    by = {r["variant"]: r for r in rows}
-    headline = {"nsa_p50_ms": by["nsa"]["p50_ms"], "dense_p50_ms": by["dense"]["p50_ms"],
-                "nsa_speedup_vs_dense_x": by["nsa"]["speedup_vs_dense_x"], "layer_p50_ms": by["layer"]["p50_ms"],
-                "nsa_kv_gb_per_s": by["nsa"]["kv_gb_per_s"]}
-    # The sweep's parent charts each of these per variant against seq (metrics <y>/<variant>): the latency
-    # and speedup, and what a step reads (tokens, bytes), its HBM floor and share of the roofline.
-    charts = Charts("seq_tokens", "variant", ("p50_ms", "speedup_vs_dense_x", "kv_tokens_read_per_step_per_group",
-                                              "kv_bytes_read_per_step", "hbm_floor_ms", "kv_bw_roofline_pct"))
-    return Result(rows, metrics, headline=headline, charts=charts, tags=tags, texts=texts)
+    if v == "dense":
+        tok = torch.full((B, 1, c.n_kv_heads), S) if L is None else L[:, None, None].expand(B, 1, c.n_kv_heads)
+        formula = per_seq(lambda n: n)
+    elif v in peer:  # it pools the whole cache every step, then reads its compressed and selected keys
+        tok = S + sum(parts[b] for b in peer[v].branches).cpu()
+        formula = formula_tokens("sel" if "win" not in peer[v].branches else "none", c, S)
+    else:
+        what = branch if v in ("layer", "nsa") else v
+        tok = variant_tokens(what, parts).cpu()
+        formula = per_seq(lambda n, what=what: formula_tokens(what, c, n))
+        if use_decoder and v == "sel":
+            # The decoder's sel kernel alone reuses the step's top-n: it reads the selected tokens only.
+            tok, formula = parts["sel"].cpu(), per_seq(lambda n: min(c.n_sel * c.l_sel, n))
+    kv_bytes = int(tok.sum()) * (c.d_k + c.d_v) * elem
+    q = times[v]
+    gbps = kv_bytes / (q["p50_ms"] * 1e-3) / 1e9
+    return {
+        "seq_tokens": S, "batch_seqs": B,
+        **({} if L is None else {"ragged": True, "ragged_mean_tokens": float(L.double().mean())}),
+        "variant": v, "branch_force": branch,
+        "step_path": "graph_decoder" if use_decoder else "module",
+        "backend_cmp": job.plan["cmp"], "backend_sel": job.plan["sel"], "backend_win": job.plan["win"],
+        "dtype": str(job.dtype).replace("torch.", ""),
+        **q,
+        "kv_tokens_read_per_step_per_group": float(tok.double().mean()),
+        "kv_tokens_formula_per_step_per_group": formula,
+        "kv_bytes_read_per_step": kv_bytes,
+        "kv_gb_per_s": gbps,
+        "kv_bw_roofline_pct": 100.0 * gbps / bw,
+        "hbm_floor_ms": kv_bytes / (bw * 1e9) * 1e3,
+        **({} if v == "dense" else {"speedup_vs_dense_x": times["dense"]["p50_ms"] / q["p50_ms"]}),
+    }
 
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")

@@ -136,7 +136,7 @@ def _op_cases():
     scale, nb = D ** -0.5, CFG.n_blocks(Tq)
 
     def tune(op, **kw):
-        return tuning.encode(op, {**tuning.params(op, "interpret"), **kw})
+        return tuning.to_ints(op, {**tuning.params(op, "interpret"), **kw})
 
     cases = []
     args = (q, kc, vc, list(Blocks.of(CFG)), scale, 0, nb, tune("compressed"))

@@ -15,6 +15,7 @@ from experiments.framework import config, hardware
 from experiments.measure import inputs as measure_inputs
 from experiments.measure.inputs import fill_cache, fill_per_seq, project
 from nsa import NSAAttention
+from nsa.backends.triton import decode_attention, tuning
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GiB = 2**30
@@ -32,6 +33,7 @@ def h100(monkeypatch):
     monkeypatch.setattr(hardware, "_DETECTED", hardware.Device("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "570", 1))
     monkeypatch.setattr(config, "check_backends", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(tuning, "capability", lambda device=None: (9, 0))  # tuning's table for the device
 
 
 def _job(B: int, S: int, *over: str):
@@ -83,6 +85,51 @@ def test_the_module_path_counts_no_decode_workspaces():
     Tc = (64 - 16) // 8 + 1  # tiny: l=16, d=8; H=2, d_k=d_v=16, float32
     assert parts["cache"] == 3 * 64 * 2 * 32 * 4 + Tc * 2 * 32 * 4 and parts["step"] == Tc * 2 * 32 * 4
     assert fill_per_seq(4096, 1) == 4096 and parts["fill"] > 63 * (64 + 64) * 4
+
+
+def _launch_bytes(job, monkeypatch) -> tuple[int, dict]:
+    """Bytes of the tensors DecodeKernels allocates for the job's batch and cache under the H100's rules
+    (132 SMs, the "cuda" table with the active overrides): its own constructor, on the meta device, with
+    launch_params told it runs on a GPU."""
+    real = decode_attention.launch_params
+    monkeypatch.setattr(decode_attention, "launch_params", lambda c, B, n, *, gpu, n_sm, tune, device=None:
+                        real(c, B, n, gpu=True, n_sm=n_sm, tune=tuning.params("decode", "cuda")))
+    c = job.nsa.bounded(job.seq)
+    k = decode_attention.DecodeKernels(c, job.cfg.decode.batch, job.seq, "meta", dtype=job.dtype, n_sm=132)
+    monkeypatch.setattr(decode_attention, "launch_params", real)
+    return sum(t.nbytes for t in vars(k).values() if isinstance(t, torch.Tensor)), k.p
+
+
+@pytest.mark.parametrize("B,S,tune,mode", [
+    (1, 8192, {}, "three"),        # B*H*n_sel = 64 <= 132 SMs, 128 blocks: three launches, one tile a split
+    (1, 65536, {}, "four"),        # 1024 selection blocks > 512: four launches, no per-program Eq. 10 sums
+    (32, 8192, {}, "four"),        # B*H = 128 groups: 2048 selected-branch programs do not fit
+    (2, 8192, {"nsc": 3, "sel_per": 2, "win_per": 3}, "three"),  # tuning overrides of the splits
+    (2, 16384, {"mode": "two", "bw": 32}, "two"),
+])
+def test_the_estimate_sizes_the_decode_workspaces_as_the_kernels_do(h100, monkeypatch, B, S, tune, mode):
+    """memory_parts' ``step`` (the GraphDecoder path) is, byte for byte, what DecodeKernels allocates for the
+    same batch, cache and tuning: the 512-block rule, mode three's split rule and tuning overrides included."""
+    job = _job(B, S)
+    with tuning.overrides({"decode": tune}):
+        step = decode.memory_parts(job)["step"]
+        launched, p = _launch_bytes(job, monkeypatch)
+    assert p["mode"] == mode and all(p[k] == v for k, v in tune.items() if k in p)
+    assert step == launched > 0
+
+
+@pytest.mark.parametrize("B,S,tune", [(1, 64, {}), (3, 200, {"nsc": 3, "sel_per": 1}), (2, 300, {"mode": "three"})])
+def test_the_kernels_allocate_what_workspace_bytes_counts(B, S, tune):
+    """On the CPU (the interpreter's rules) DecodeKernels' tensors are workspace_bytes' count, element for element."""
+    from nsa import NSAConfig
+
+    c = NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=16, d_v=16, l=16, d=8, l_sel=16, n_sel=4, w=32,
+                  phi="mlp", gate_hidden=16, phi_hidden=32)
+    with tuning.overrides({"decode": tune}):
+        k = decode_attention.DecodeKernels(c, B, S, "cpu", dtype=torch.float32)
+    held = sum(t.nbytes for t in vars(k).values() if isinstance(t, torch.Tensor))
+    assert held == decode_attention.workspace_bytes(c, B, k.p, torch.float32) > 0
+    assert ("sel_psum" in vars(k)) == (k.p["mode"] == "three")
 
 
 @pytest.mark.parametrize("B,tokens,n", [(8, 20, 37), (8, 4, 13), (3, 4096, 40)])

@@ -26,6 +26,7 @@ from experiments.measure.dense import dense_attention, dense_attention_ragged, k
 from experiments.measure.inputs import cache_inputs, fill_cache, ragged_inputs
 from experiments.measure.tokens import ragged_parts, variant_tokens
 from nsa import NSAAttention, NSAConfig, reference
+from nsa.backends.triton import tuning
 from nsa.decode import tokens_read
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -180,6 +181,7 @@ def test_memory_estimate_adds_only_the_mask_and_scores(_hydra, monkeypatch):
     monkeypatch.setattr(hardware, "_DETECTED", hardware.Device("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "570", 1))
     monkeypatch.setattr(config, "check_backends", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(tuning, "capability", lambda device=None: (9, 0))  # tuning's table for the device
     for r in ("false", "true"):
         jobs[r] = config.prepare(compose(config_name="decode", overrides=[
             "model=h200bench", "decode.batch=256", "seq=8192", f"decode.ragged={r}"]), "decode")

@@ -98,6 +98,20 @@ def test_overrides_nest_and_restore():
         tuning.params("nope", "cuda")
 
 
+def test_the_int_form_round_trips_and_no_function_is_named_like_an_op():
+    """tuning.to_ints / from_ints (the parameters as a custom op's schema carries them): every op's values of
+    every table, overridden too (None, bools, choices), come back as they were; and no function of tuning is
+    named like an op (the int form's inverse was ``tuning.decode``, beside the decode op's parameters)."""
+    with tuning.overrides({"selection": {"mode": "block", "dq_part": False}, "decode": {"mode": "three"}}):
+        for where in tuning.TABLES:
+            for op in tuning.KEYS:
+                t = tuning.params(op, where)
+                ints = tuning.to_ints(op, t)
+                assert all(type(i) is int for i in ints) and len(ints) == len(tuning.KEYS[op])
+                assert tuning.from_ints(op, ints) == t, (where, op)
+    assert not set(tuning.KEYS) & {n for n, f in vars(tuning).items() if callable(f)}
+
+
 def test_an_override_reaches_the_launch(monkeypatch):
     """The override is what the kernel launch gets (window rows -> BLOCK_M), and the forward fixes
     its backward's parameters: a backward outside the block still uses them."""

@@ -272,6 +272,38 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     except ToolchainError as e:
         raise ConfigError(one_line(e)) from e
+    cfg = _resolved(cfg, entry)
+    seq = cfg.seq
+    profile, note, dev, device, dname = _hardware(cfg, here)
+    ncfg = _model(cfg)
+    # Branch forcing
+    branch = cfg.branch_force.name if "branch_force" in cfg else "none"
+    if branch not in ("none", *BRANCHES):
+        raise ConfigError(f"branch_force={branch!r}: one of none, cmp, sel, win")
+    plan, fallback, notes = _backends(cfg, profile, entry)
+    if "parity" in cfg and dname not in cfg.parity.tol:
+        raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
+    if "parallel" in cfg:
+        from . import parallel
+
+        parallel.check_job(cfg.parallel.cp, seq, branch, device)
+    if here:
+        if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
+            raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
+        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
+    job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
+    if entry in ENTRY_CHECKS:
+        module, name = ENTRY_CHECKS[entry].split(":")
+        try:
+            getattr(importlib.import_module(module), name)(job)
+        except ValueError as e:
+            raise ConfigError(one_line(e)) from e
+    return job
+
+
+def _resolved(cfg: DictConfig, entry: str) -> DictConfig:
+    """A resolved copy of ``cfg`` without the hydra node, its types checked (an error names the key the user
+    typed, read from the interpolations before resolving) and its ``parallel`` and ``tuning`` sections valid."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # a copy without the hydra node
     if "hydra" in cfg:
         del cfg["hydra"]
@@ -287,8 +319,16 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         parallel.check(cfg.parallel.cp, entry)
     if "tuning" in cfg:
         check_tuning(cfg.tuning)
-    seq = cfg.seq
-    # Hardware: auto -> detected profile; a strict profile must match the device.
+    return cfg
+
+
+def _hardware(cfg: DictConfig, here: bool):
+    """The hardware profile (auto: the detected one; a strict one must match the device where ``here``),
+    written into ``cfg.hardware`` with its ``strict`` flag, and the dtype into ``cfg.dtype``.
+
+    Returns:
+        (profile, its note, the detected hardware.Device, the torch device the job runs on, the dtype's name).
+    """
     try:
         profile, note = hardware.resolve_profile(cfg.hardware, check=here)
     except hardware.HardwareMismatch as e:
@@ -302,24 +342,34 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     if dname not in DTYPES:
         raise ConfigError(f"dtype={dname!r}: one of {', '.join(DTYPES)}")
     cfg.dtype = dname
-    # Model (an entry point without one, train, names its model elsewhere)
-    ncfg = None
-    if "model" in cfg:
-        try:
-            ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
-        except TypeError as e:
-            raise ConfigError(f"model.nsa: {e}") from e
-        except ValueError as e:
-            raise ConfigError(f"model={cfg.model.name}: {e}") from e
-        if ncfg.rope_rule():
-            raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: {ncfg.rope_rule()}")
-    # Branch forcing
-    branch = cfg.branch_force.name if "branch_force" in cfg else "none"
-    if branch not in ("none", *BRANCHES):
-        raise ConfigError(f"branch_force={branch!r}: one of none, cmp, sel, win")
-    # Backends. A branch named on the command line keeps its name; one left null (backend=auto) takes the
-    # profile's policy.by_entry.<entry>, else policy.by_seq's backend for seq, else policy.preferred. Then
-    # policy.avoid replaces a backend, named or not, unless policy.force.
+    return profile, note, dev, device, dname
+
+
+def _model(cfg: DictConfig) -> nsa.NSAConfig | None:
+    """The layer's config from ``model.nsa``; None for an entry point without one (train names its model
+    elsewhere)."""
+    if "model" not in cfg:
+        return None
+    try:
+        ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
+    except TypeError as e:
+        raise ConfigError(f"model.nsa: {e}") from e
+    except ValueError as e:
+        raise ConfigError(f"model={cfg.model.name}: {e}") from e
+    if ncfg.rope_rule():
+        raise ConfigError(f"model.nsa.d_k={ncfg.d_k}: {ncfg.rope_rule()}")
+    return ncfg
+
+
+def _backends(cfg: DictConfig, profile: DictConfig, entry: str) -> tuple[dict, str | None, list]:
+    """Each branch's backend, written into ``cfg.backend``. A branch named on the command line keeps its
+    name; one left null (backend=auto) takes the profile's policy.by_entry.<entry>, else policy.by_seq's
+    backend for seq, else policy.preferred. Then policy.avoid replaces a backend, named or not, unless
+    policy.force.
+
+    Returns:
+        (branch -> backend, as ``dispatch.resolve`` names it; backend.fallback; the policy's notes).
+    """
     plan, notes = {}, []
     pol = profile.get("policy", {}) or {}
     for_entry, from_entry = backends_by_entry(pol, entry), []
@@ -330,7 +380,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
             from_entry.append(b)
         elif name is None:
             name = (pol.get("preferred") or {}).get(b, "reference")
-            by_seq = backend_by_seq(pol, b, seq, profile.name)
+            by_seq = backend_by_seq(pol, b, cfg.seq, profile.name)
             if by_seq is not None:
                 name, note = by_seq
                 notes.append(note)
@@ -354,24 +404,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
         raise ConfigError(f"backend.fallback={fallback!r}: unknown backend; known: {', '.join(dispatch.known_backends())}")
     for b in BRANCHES:
         cfg.backend[b] = plan[b]
-    if "parity" in cfg and dname not in cfg.parity.tol:
-        raise ConfigError(f"parity.tol has no entry for dtype={dname}; add parity.tol.{dname}")
-    if "parallel" in cfg:
-        from . import parallel
-
-        parallel.check_job(cfg.parallel.cp, seq, branch, device)
-    if here:
-        if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
-            raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
-        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
-    job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
-    if entry in ENTRY_CHECKS:
-        module, name = ENTRY_CHECKS[entry].split(":")
-        try:
-            getattr(importlib.import_module(module), name)(job)
-        except ValueError as e:
-            raise ConfigError(one_line(e)) from e
-    return job
+    return plan, fallback, notes
 
 
 def check_timed_device(cfg: DictConfig, entry: str) -> None:

@@ -183,16 +183,39 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             cli.config_exit(str(e))
         return _failed_validation(cfg, entry, launch_dir, parent, key, tags, e)
     head = f"[{entry}] seq={job.seq}" + (f" job {hc.job.num}" if parent and hc else "")
+    rid = _open_run(store, job, entry, parent, tags, earlier, hc, head)
+    if rid is None:
+        return None
+    job.run = Run(rid, store.client, resumed=earlier is not None)
+    if parent is None:
+        log.info(f"[{entry}] tracking store {store.describe()}; run {rid}" + (" (resumed)" if earlier else ""))
+    status, err, timing = _run_work(job, work, choices, earlier, key, head, out_dir, t0)
+    overhead = time.perf_counter() - t0 - timing["work_s"]
+    status, err = _end_run(store.client, rid, job, status, err, overhead, head)
+    log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {timing['work_s']:.2f} s, "
+             f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
+    if parent is None:  # a sweep ends so too, from the sweeper (sweep._finish)
+        print(closing(store, rid, out_dir, launch_dir, entry in TIME_FIGURES and job.device.type == "cpu"))
+        if status != "FINISHED":
+            raise SystemExit(1)
+
+
+def _open_run(store, job: Job, entry: str, parent: str | None, tags: dict, earlier, hc, head: str) -> str | None:
+    """The job's run: a new one named by its entry, identity and seq (a child of ``parent`` where a sweep
+    passed one), or ``earlier`` reopened. A store that fails here leaves no run to record it on: a single
+    run exits 2 in one line, a sweep's job logs the error.
+
+    Returns:
+        The run id; None where a sweep's job could not create its run.
+    """
     name = " ".join([entry, *(str(v) for _, v in identity(job) if v), f"seq={job.seq}"]) + (
         f" {job.branch}" if job.branch != "none" else "")
-    client = store.client
     try:
-        with tracking.writing(client):
+        with tracking.writing(store.client):
             if earlier is None:
-                rid = tracking.start_run(store, name, parent, tags)
-            else:
-                rid = earlier.info.run_id
-                tracking.reopen(client, rid)
+                return tracking.start_run(store, name, parent, tags)
+            tracking.reopen(store.client, earlier.info.run_id)
+            return earlier.info.run_id
     except tracking.StoreError as e:  # no run to record it on: a single run stops as before any run
         if parent is None:
             if hc:
@@ -200,50 +223,37 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             cli.config_exit(f"{e}; no run was started")
         log.error(f"{head}: FAILED: {e}; no run was created")
         return None
-    job.run = Run(rid, client, resumed=earlier is not None)
-    if parent is None:
-        log.info(f"[{entry}] tracking store {store.describe()}; run {rid}" + (" (resumed)" if earlier else ""))
-    status, work_s, err, worked = "FAILED", 0.0, None, False
+
+
+def _run_work(job: Job, work: Callable[[Job], Result], choices: dict, earlier, key: list, head: str,
+              out_dir: Path, t0: float) -> tuple[str, str | None, dict]:
+    """Log the job's params and tags on its run, run ``work`` inside ``dispatch.record()`` (the backends that
+    ran and the fallbacks taken: tags), then its result (:func:`_log_result`). Any failure fails this job
+    only: its error on the run (``error.txt``). What propagates (KeyboardInterrupt: the run ends KILLED; a
+    SystemExit: FAILED) ends the run here first (``t0``: the job's start, for its overhead).
+
+    Returns:
+        (status: FINISHED, FAILED or KILLED; the error, or None; {"work_s": seconds in ``work``}).
+    """
+    client, rid = job.run.client, job.run.id
+    status, err, timing = "FAILED", None, {"work_s": 0.0}
+    leaving = True  # an exception propagates: the run ends in the finally clause
     try:
         if _cp(job):
             job.cp = parallel.init(job.device)
             log.info(f"{head}: context parallel over {job.cp.world} ranks ({job.cp.backend}); rank 0 logs this run")
-        params, tags = describe(job, choices)
-        if job.cp is not None:
-            tags.update(cp_world=str(job.cp.world), cp_backend=job.cp.backend)
-        if earlier is not None:  # params are fixed once logged: new keys only, changes as a tag; the job's
-            # overrides now (a resumed sweep matches its jobs by them; e.g. another train.time_limit_s)
-            old = earlier.data.params
-            changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)[:6000]]
-            params = {k: v for k, v in params.items() if k not in old}
-            tags.update(resumed=str(int(earlier.data.tags.get("resumed", "0")) + 1), sweep_job=json.dumps(key),
-                        **({"resumed_changes": "; ".join(changed)} if changed else {}))
-        with tracking.writing(client):
-            tracking.log_batch(client, rid, params=params, tags=tags)
+        _log_start(job, choices, earlier, key)
         for n in job.policy_notes:
             log.info(f"{head}: backend policy {n}")
         log.info(f"{head}: {job.profile_note}; backends {job.plan}; branch_force={job.branch}; {job.device}/{job.cfg.dtype}")
         torch.manual_seed(int(job.cfg.seed))
         if job.device.type == "cpu" and job.profile.get("threads"):
             torch.set_num_threads(int(job.profile.threads))
-        with dispatch.record() as rec:
-            t_work = time.perf_counter()
-            try:
-                res = work(job)
-                worked = True
-            finally:
-                work_s = time.perf_counter() - t_work
-                if job.cp is not None:  # the other ranks leave now, not after this rank's logging
-                    parallel.close(worked)
-                with tracking.writing(client):
-                    tracking.log_batch(client, rid, tags={
-                        **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
-                        "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
-                        "fallbacks": "; ".join(rec.fallbacks) or "none"})
-        _log_result(client, rid, job, res, work_s, out_dir)
+        res = _recorded_work(job, work, timing)
+        _log_result(client, rid, job, res, timing["work_s"], out_dir)
         if res.failure:
             raise JobFailure(res.failure)
-        status = "FINISHED"
+        status, leaving = "FINISHED", False
     except KeyboardInterrupt as e:
         status, err = "KILLED", cli.interrupt_reason(e)
         cli.note_closed(e, rid)
@@ -256,26 +266,72 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
                 client.log_text(rid, traceback.format_exc(), "error.txt")
         except Exception as e2:  # noqa: BLE001  (the store itself failing: still end the run below)
             log.error(f"{head}: could not record the error on the run: {one_line(e2)}")
+        leaving = False
     finally:
-        overhead = time.perf_counter() - t0 - work_s
+        if leaving:
+            _end_run(client, rid, job, status, err, time.perf_counter() - t0 - timing["work_s"], head)
+    return status, err, timing
+
+
+def _log_start(job: Job, choices: dict, earlier, key: list) -> None:
+    """The job's params and tags on its run. A reopened run keeps the params it has (they are fixed once
+    logged): only new keys are logged, changed ones as the tag ``resumed_changes``."""
+    params, tags = describe(job, choices)
+    if job.cp is not None:
+        tags.update(cp_world=str(job.cp.world), cp_backend=job.cp.backend)
+    if earlier is not None:  # the job's overrides now (a resumed sweep matches its jobs by them; e.g. another
+        # train.time_limit_s)
+        old = earlier.data.params
+        changed = [f"{k}: {old[k]} -> {v}" for k, v in params.items() if k in old and old[k] != str(v)[:6000]]
+        params = {k: v for k, v in params.items() if k not in old}
+        tags.update(resumed=str(int(earlier.data.tags.get("resumed", "0")) + 1), sweep_job=json.dumps(key),
+                    **({"resumed_changes": "; ".join(changed)} if changed else {}))
+    with tracking.writing(job.run.client):
+        tracking.log_batch(job.run.client, job.run.id, params=params, tags=tags)
+
+
+def _recorded_work(job: Job, work: Callable[[Job], Result], timing: dict) -> Result:
+    """``work(job)`` inside ``dispatch.record()``; the backends that ran and the fallbacks taken are tagged
+    on the run, and ``timing["work_s"]`` set, whether it returns or raises. A context-parallel job closes its
+    group first (the other ranks leave now, not after this rank's logging)."""
+    worked = False
+    with dispatch.record() as rec:
+        t_work = time.perf_counter()
         try:
-            if status != "KILLED":
-                with tracking.writing(client):
-                    tracking.log_batch(client, rid, metrics={"framework_overhead_s": overhead}, step=job.seq)
-        except tracking.StoreError as e:  # the job is not recorded whole: it did not finish
-            if status == "FINISHED":
-                status, err = "FAILED", str(e)
-                log.error(f"{head}: FAILED: {err}")
-        try:
-            tracking.end_run(client, rid, status, err)
-        except tracking.StoreError as e:
-            log.error(f"{head}: {e}")
-    log.info(f"{head}: {status} in {time.perf_counter() - t0:.2f} s (measured work {work_s:.2f} s, "
-             f"Hydra+MLflow overhead {overhead:.2f} s) run {rid}")
-    if parent is None:  # a sweep ends so too, from the sweeper (sweep._finish)
-        print(closing(store, rid, out_dir, launch_dir, entry in TIME_FIGURES and job.device.type == "cpu"))
-        if status != "FINISHED":
-            raise SystemExit(1)
+            res = work(job)
+            worked = True
+        finally:
+            timing["work_s"] = time.perf_counter() - t_work
+            if job.cp is not None:
+                parallel.close(worked)
+            with tracking.writing(job.run.client):
+                tracking.log_batch(job.run.client, job.run.id, tags={
+                    **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
+                    "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
+                    "fallbacks": "; ".join(rec.fallbacks) or "none"})
+    return res
+
+
+def _end_run(client, rid: str, job: Job, status: str, err: str | None, overhead: float, head: str):
+    """Log ``framework_overhead_s`` (not for a KILLED run) and end the run with ``status``. A store that fails
+    on that metric fails a FINISHED job (it is not recorded whole).
+
+    Returns:
+        (the status the run ended with, its error).
+    """
+    try:
+        if status != "KILLED":
+            with tracking.writing(client):
+                tracking.log_batch(client, rid, metrics={"framework_overhead_s": overhead}, step=job.seq)
+    except tracking.StoreError as e:  # the job is not recorded whole: it did not finish
+        if status == "FINISHED":
+            status, err = "FAILED", str(e)
+            log.error(f"{head}: FAILED: {err}")
+    try:
+        tracking.end_run(client, rid, status, err)
+    except tracking.StoreError as e:
+        log.error(f"{head}: {e}")
+    return status, err
 
 
 def closing(store, rid: str, out_dir: Path, launch_dir: Path, cpu_times: bool) -> str:

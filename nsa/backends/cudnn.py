@@ -165,7 +165,7 @@ def compressed_branch(q, k_cmp, v_cmp, config, *, scale=None, q_start: int = 0, 
     with torch.no_grad():
         if on_scored is None:  # one custom op (nsa::compressed_scores): torch.compile traces it as one node
             idx = compressed_scores_op(q, k_cmp, v_cmp, lse, list(Blocks.of(config)), scale, int(nb),
-                                       tuning.encode("compressed", tune))
+                                       tuning.to_ints("compressed", tune))
         else:  # the stream hook between the scores and the top-n: eager
             idx = compressed_forward(q, k_cmp, v_cmp, config, scale=scale, q_start=0, n_blocks=nb, on_scored=on_scored,
                            tune=tune, lse_in=lse)[2]

@@ -20,7 +20,7 @@ score-only pass the ``cudnn`` backend runs), ``nsa::window_fwd``,
 branch's ``torch.autograd.Function``, so ``torch.compile(fullgraph=True)`` traces a layer built on this backend,
 forward and backward, with one graph node per op. Their non-tensor arguments are ints, floats and strings:
 the config's block sizes (``utils.Blocks``) and the launch parameters read when the call is traced
-(``tuning.encode``), so a backward uses its forward's. In eager, the autograd.Functions call the ops'
+(``tuning.to_ints``), so a backward uses its forward's. In eager, the autograd.Functions call the ops'
 functions directly (no dispatcher overhead). Packed documents (``varlen``) and the stream hook
 (``on_scored``) run in eager only.
 """

@@ -250,9 +250,9 @@ def _attention_bwd_fake(q, k, v, o, lse, do, scale, q_start, stride, offset, win
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                       do: torch.Tensor, scale: float, q_start: int, stride: int, offset: int, window: int,
                       tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`attention_backward` of one sequence per batch row, ``tune`` from ``tuning.encode``."""
+    """:func:`attention_backward` of one sequence per batch row, ``tune`` from ``tuning.to_ints``."""
     return attention_backward(q, k, v, o, lse, do, scale=scale, q_start=q_start, stride=stride, offset=offset,
-                              window=window, tune=tuning.decode("attention_bwd", tune))
+                              window=window, tune=tuning.from_ints("attention_bwd", tune))
 
 
 def backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tune, varlen=None):
@@ -262,4 +262,4 @@ def backward(q, k, v, o, lse, do, *, scale, q_start, stride, offset, window, tun
         return attention_backward(q, k, v, o, lse, do, scale=scale, q_start=q_start, stride=stride, offset=offset,
                                   window=window, tune=tune, varlen=varlen)
     return _attention_bwd_op(q, k, v, o, lse, do, float(scale), int(q_start), int(stride), int(offset), int(window),
-                             tuning.encode("attention_bwd", tune))
+                             tuning.to_ints("attention_bwd", tune))

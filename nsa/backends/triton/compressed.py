@@ -325,9 +325,9 @@ def _compressed_fwd_fake(q, k, v, blocks, scale, q_start, n_blocks, tune):
 def _compressed_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: Sequence[int], scale: float,
                        q_start: int, n_blocks: int, tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`compressed_forward` of one sequence per batch row: (o, lse, indices); ``blocks``: ``Blocks.of(config)``,
-    ``tune`` from ``tuning.encode``."""
+    ``tune`` from ``tuning.to_ints``."""
     return compressed_forward(q, k, v, Blocks(*blocks), scale=scale, q_start=q_start, n_blocks=n_blocks, on_scored=None,
-                    tune=tuning.decode("compressed", tune))
+                    tune=tuning.from_ints("compressed", tune))
 
 
 def _compressed_scores_fake(q, k, v, lse, blocks, scale, n_blocks, tune):
@@ -340,7 +340,7 @@ def compressed_scores_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse:
     """The top-n indices of rows from the sequence's start, their Eq. 9/10 scores from the given base-2 lse
     ``[B,HQ,Tq]`` (:func:`compressed_forward`'s score-only pass; ``nsa.backends.cudnn`` gives it cuDNN's)."""
     return compressed_forward(q, k, v, Blocks(*blocks), scale=scale, q_start=0, n_blocks=n_blocks, on_scored=None,
-                    tune=tuning.decode("compressed", tune), lse_in=lse)[2]
+                    tune=tuning.from_ints("compressed", tune), lse_in=lse)[2]
 
 
 class CompressedAttention(torch.autograd.Function):
@@ -363,7 +363,7 @@ class CompressedAttention(torch.autograd.Function):
         tune = tuning.params("compressed", q.device)
         if on_scored is None and varlen is None:
             o, lse, idx = _compressed_fwd_op(q, k, v, list(Blocks.of(config)), float(scale), int(q_start), int(n_blocks),
-                                             tuning.encode("compressed", tune))
+                                             tuning.to_ints("compressed", tune))
         else:
             o, lse, idx = compressed_forward(q, k, v, config, scale=scale, q_start=q_start, n_blocks=n_blocks,
                                    on_scored=on_scored, tune=tune, varlen=varlen)

@@ -51,6 +51,8 @@ timed alone. Launch parameters: ``tuning.params("decode")``.
 
 # No ``from __future__ import annotations`` here: triton 2.3/3.0's JIT reads the kernel annotations
 # as objects (string annotations make ``tl.constexpr`` parameters plain runtime arguments).
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -686,6 +688,75 @@ def launch_params(config, B: int, max_len: int, *, gpu: bool, n_sm: int, tune: d
                 topn=topn, topk=0 if topn == "argmax" else min(p2(c.n_sel), p2(c.n_blocks(max_len), 16)))
 
 
+def device_params(config, B: int, max_len: int, device, *, n_sm: int | None = None) -> dict:
+    """:func:`launch_params` for tensors on ``device``: what :class:`DecodeKernels` launches with there.
+
+    Arguments:
+        config, B, max_len: as :func:`launch_params`.
+        device: the kernels' device; a CUDA one takes the GPU rules and ``tuning.params("decode", device)``
+            (the active overrides applied), any other the interpreter's.
+        n_sm: multiprocessors the split-KV grids are sized for; None: the device's (4 off CUDA).
+
+    Returns:
+        :func:`launch_params`' dict.
+    """
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    if n_sm is None:
+        n_sm = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 4
+    return launch_params(config, B, max_len, gpu=gpu, n_sm=n_sm, tune=tuning.params("decode", device),
+                         device=device if gpu else None)
+
+
+def workspaces(config, B: int, p: dict, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype, int | None]]:
+    """The tensors :class:`DecodeKernels` allocates for ``B`` sequences: the one place that sizes them.
+
+    Arguments:
+        config: the layer's NSAConfig (bounded by the cache, as the kernels get it).
+        B: sequences of the batch.
+        p: :func:`launch_params`' dict for this batch and cache.
+        dtype: the output's dtype (the workspaces themselves are float32 and int32).
+
+    Returns:
+        name -> (shape, dtype, fill): ``fill`` None for an uninitialised tensor, else its initial value.
+        The float32 scores and Eq. 10 sums per group (and per selected-branch program of mode three), the
+        split partials (m, l, acc) of the compressed pass and of the selected + window pass, o_cmp, the
+        top-n indices, the token counters, the fused steps' per-group counts and the output.
+    """
+    c, H = config, config.n_kv_heads
+    BH, f32, i32 = B * H, torch.float32, torch.int32
+    ws = {
+        "scores": ((BH, c.G, p["TCS"]), f32, None),
+        "cm": ((BH, p["nsc"], p["BG"]), f32, None),
+        "cl": ((BH, p["nsc"], p["BG"]), f32, None),
+        "cacc": ((BH, p["nsc"], p["BG"], p["BDV"]), f32, None),
+        "psum": ((BH, p["TCS"]), f32, None),
+        "o_cmp": ((B, c.n_heads, c.d_v), f32, 0),
+        "sm": ((BH, p["ns_tot"], p["BG"]), f32, None),
+        "sl": ((BH, p["ns_tot"], p["BG"]), f32, None),
+        "sacc": ((BH, p["ns_tot"], p["BG"], p["BDV"]), f32, None),
+        "indices": ((B, H, c.n_sel), i32, -1),
+        "counts": ((BH, 3), i32, 0),
+        "sem": ((2, BH), i32, 0),  # fused steps: programs done per group
+        "out": ((B, c.n_heads, c.d_v), dtype, None),
+    }
+    if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
+        ws["sel_psum"] = ((BH * p["ns_sel"], p["TCS"]), f32, None)
+    return ws
+
+
+def workspace_bytes(config, B: int, p: dict, dtype: torch.dtype) -> int:
+    """Bytes of :func:`workspaces` (what :class:`DecodeKernels` holds, its prologue's aside); no GPU needed.
+
+    Arguments:
+        config, B, p, dtype: as :func:`workspaces`.
+
+    Returns:
+        The sum of every workspace's elements times its element size.
+    """
+    return sum(math.prod(shape) * dt.itemsize for shape, dt, _ in workspaces(config, B, p, dtype).values())
+
+
 class DecodeKernels:
     """Workspaces + launch parameters of the decode step for ``B`` sequences and caches of
     ``max_len`` raw tokens (``TCS`` rows of compressed cache). ``n_sm`` (default: the device's
@@ -695,34 +766,15 @@ class DecodeKernels:
         c = self.config = config
         device = torch.device(device)
         self.B, self.max_len, self.device, self.dtype = B, max_len, device, dtype
-        gpu = device.type == "cuda"
-        if n_sm is None:
-            n_sm = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 4
-        self.p = launch_params(c, B, max_len, gpu=gpu, n_sm=n_sm, tune=tuning.params("decode", device),
-                               device=device if gpu else None)
+        p = self.p = device_params(c, B, max_len, device, n_sm=n_sm)
         self.prec = dot_precision(dtype)
-        H, G, p = c.n_kv_heads, c.G, self.p
-        f32 = {"device": device, "dtype": torch.float32}
-        BH = B * H
-        self.scores = torch.empty(BH, G, p["TCS"], **f32)
-        self.cm = torch.empty(BH, p["nsc"], p["BG"], **f32)
-        self.cl = torch.empty(BH, p["nsc"], p["BG"], **f32)
-        self.cacc = torch.empty(BH, p["nsc"], p["BG"], p["BDV"], **f32)
-        self.psum = torch.empty(BH, p["TCS"], **f32)
-        self.o_cmp = torch.zeros(B, c.n_heads, c.d_v, **f32)
-        self.sm = torch.empty(BH, p["ns_tot"], p["BG"], **f32)
-        self.sl = torch.empty(BH, p["ns_tot"], p["BG"], **f32)
-        self.sacc = torch.empty(BH, p["ns_tot"], p["BG"], p["BDV"], **f32)
-        self.indices = torch.full((B, H, c.n_sel), -1, device=device, dtype=torch.int32)
-        self.counts = torch.zeros(BH, 3, device=device, dtype=torch.int32)
-        self.sem = torch.zeros(2, BH, device=device, dtype=torch.int32)  # fused steps: programs done per group
-        self.out = torch.empty(B, c.n_heads, c.d_v, device=device, dtype=dtype)
+        for name, (shape, dt, fill) in workspaces(c, B, p, dtype).items():
+            setattr(self, name, torch.empty(shape, device=device, dtype=dt) if fill is None
+                    else torch.full(shape, fill, device=device, dtype=dt))
         # the layer step's RoPE, cache writes, phi and gates (GraphDecoder; None: its torch ops)
         self.prologue = None
         if p["prologue"] == "triton":
             self.prologue = StepPrologue(c, B, device, dtype, pdl=p["pdl"], warps=p["warps"], prec=self.prec)
-        if p["mode"] == "three":  # each selected-branch program's Eq. 10 sums
-            self.sel_psum = torch.empty(BH * p["ns_sel"], p["TCS"], **f32)
 
     # ------------------------------------------------------------------------------------------
     def attend(self, q, gates, pos, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, *, scale=None,

@@ -80,8 +80,8 @@ def _gate_fwd_fake(o_cmp, o_sel, o_win, gates, tune):
 @custom_op("nsa::gate_fwd", _gate_fwd_fake)
 def _gate_fwd_op(o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
                  tune: Sequence[int]) -> torch.Tensor:
-    """Eq. 5 of contiguous inputs; ``tune`` from ``tuning.encode``."""
-    tune = tuning.decode("gate", tune)
+    """Eq. 5 of contiguous inputs; ``tune`` from ``tuning.to_ints``."""
+    tune = tuning.from_ints("gate", tune)
     D = o_cmp.shape[-1]
     n_rows = o_cmp.numel() // max(D, 1)
     o = empty(o_cmp.shape, o_cmp)
@@ -100,8 +100,8 @@ def _gate_bwd_fake(oc, os_, ow, gates, do, tune):
 @custom_op("nsa::gate_bwd", _gate_bwd_fake)
 def _gate_bwd_op(oc: torch.Tensor, os_: torch.Tensor, ow: torch.Tensor, gates: torch.Tensor, do: torch.Tensor,
                  tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d o_cmp, d o_sel, d o_win, d gates) of contiguous inputs; ``tune`` from ``tuning.encode``."""
-    tune = tuning.decode("gate", tune)
+    """(d o_cmp, d o_sel, d o_win, d gates) of contiguous inputs; ``tune`` from ``tuning.to_ints``."""
+    tune = tuning.from_ints("gate", tune)
     D = oc.shape[-1]
     n_rows = oc.numel() // max(D, 1)
     d_o = [empty(x.shape, x) for x in (oc, os_, ow)]
@@ -127,7 +127,7 @@ class GatedSum(torch.autograd.Function):
             ``o [B,Tq,HQ,Dv]``.
         """
         xs = [x.contiguous() for x in (o_cmp, o_sel, o_win, gates)]
-        ctx.tune = tuning.encode("gate", tuning.params("gate", xs[0].device))  # the backward's too
+        ctx.tune = tuning.to_ints("gate", tuning.params("gate", xs[0].device))  # the backward's too
         ctx.save_for_backward(*xs)
         return _gate_fwd_op(*xs, ctx.tune)
 

@@ -942,7 +942,7 @@ def _plan_kept(Nq, row_bytes, mode, tune) -> bool:
 def _selection_fwd_fake(q, k, v, idx, cu_q, cu_k, row_seq, q_start, n_blocks, scale, l_sel, mode, tune, o_cmp, o_win,
                         gates):
     Nq, HQ, _ = q.shape
-    tune = tuning.decode("selection", tune)
+    tune = tuning.from_ints("selection", tune)
     kept = _plan_kept(Nq, HQ * idx.shape[2] * v.shape[2] * q.element_size(), mode, tune)
     n_ent = Nq * idx.shape[1] * idx.shape[2] if kept else 0
     n_seg = (cu_q.shape[0] - 1) * k.shape[1] * max(n_blocks, 1)
@@ -958,10 +958,10 @@ def _selection_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: to
                       gates: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                               torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_forward` on the packed layout (``_Layout``'s fields), gated where o_cmp/o_win/gates are given:
-    (o, lse, then the plan's ``_PLAN`` tensors, empty where none is kept); ``tune`` from ``tuning.encode``."""
+    (o, lse, then the plan's ``_PLAN`` tensors, empty where none is kept); ``tune`` from ``tuning.to_ints``."""
     gated = None if o_cmp is None else (o_cmp, o_win, gates)
     o, lse, plan = _forward(q, k, v, idx, _Layout(cu_q, cu_k, row_seq, q_start, n_blocks), scale, l_sel, mode,
-                            tuning.decode("selection", tune), gated=gated)
+                            tuning.from_ints("selection", tune), gated=gated)
     if plan is None:
         plan = dict(ent_row=idx.new_empty(0), ent_slot=idx.new_empty(0), item_key=q.new_empty(0, dtype=torch.int64),
                     item_start=q.new_empty(0, dtype=torch.int64), item_end=q.new_empty(0, dtype=torch.int64))
@@ -980,7 +980,7 @@ def _selection_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       ent_row: torch.Tensor, ent_slot: torch.Tensor, item_key: torch.Tensor, item_start: torch.Tensor,
                       item_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_backward` of ``nsa::selection_fwd`` (same layout and parameters), reusing its plan where kept."""
-    tune = tuning.decode("selection", tune)
+    tune = tuning.from_ints("selection", tune)
     plan = None
     if _plan_kept(q.shape[0], q.shape[1] * idx.shape[2] * v.shape[2] * q.element_size(), mode, tune):
         plan = dict(zip(_PLAN, (ent_row, ent_slot, item_key, item_start, item_end)), n_items=item_key.shape[0])
@@ -1023,7 +1023,7 @@ def _run(q, k, v, indices, lay, config, scale):
     scale, mode, tune, idx = _prepare(q, k, v, indices, config, scale)
     return _SelectedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), idx, lay.cu_q, lay.cu_k, lay.row_seq,
                                     lay.q_start, lay.n_blocks, float(scale), config.l_sel, mode,
-                                    tuning.encode("selection", tune))[0]
+                                    tuning.to_ints("selection", tune))[0]
 
 
 def _layout(q, k_sel, config, q_start, varlen):
@@ -1070,6 +1070,6 @@ def selected_gated(q, k_sel, v_sel, indices, config, o_cmp, o_win, gates, *, sca
     gated = tuple(x.reshape(B * Tq, HQ, x.shape[-1]).contiguous() for x in (o_cmp, o_win, gates))
     lay = _layout(q, k_sel, config, q_start, varlen)
     o = _selection_fwd_op(qf.contiguous(), kf.contiguous(), vf.contiguous(), idx, lay.cu_q, lay.cu_k, lay.row_seq,
-                          lay.q_start, lay.n_blocks, float(scale), config.l_sel, mode, tuning.encode("selection", tune),
+                          lay.q_start, lay.n_blocks, float(scale), config.l_sel, mode, tuning.to_ints("selection", tune),
                           *gated)[0]
     return o.reshape(B, Tq, HQ, Dv)

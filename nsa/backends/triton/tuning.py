@@ -185,10 +185,17 @@ def by_path(tune: dict[str, Any], tma: bool, itemsize: int = 2) -> dict[str, Any
     return {**tune, "stages": (STAGES_TMA if tma else STAGES_POINTERS) - (itemsize > 2)}
 
 
-def encode(op: str, tune: Mapping[str, Any]) -> list[int]:
-    """``tune`` (``params(op, ..)``) as ints in ``KEYS[op]``'s order, the form a custom op's schema carries
-    (``nsa::*`` ops take the parameters their caller read): None -1, a bool 0/1, a choice its index in the
-    choices. :func:`decode` inverts it."""
+def to_ints(op: str, tune: Mapping[str, Any]) -> list[int]:
+    """``tune`` as the ints a custom op's schema carries (``nsa::*`` ops take the parameters their caller read).
+
+    Arguments:
+        op: a key of ``KEYS``.
+        tune: its parameters (``params(op, ..)``).
+
+    Returns:
+        One int per key in ``KEYS[op]``'s order: None -1, a bool 0/1, a choice its index in the choices.
+        :func:`from_ints` inverts it.
+    """
     out = []
     for k, (kind, _) in KEYS[op].items():
         v = tune[k]
@@ -196,8 +203,16 @@ def encode(op: str, tune: Mapping[str, Any]) -> list[int]:
     return out
 
 
-def decode(op: str, values: list[int]) -> dict[str, Any]:
-    """The parameters of ``op`` from :func:`encode`'s ints."""
+def from_ints(op: str, values: list[int]) -> dict[str, Any]:
+    """The parameters of ``op`` from :func:`to_ints`' ints.
+
+    Arguments:
+        op: a key of ``KEYS``.
+        values: :func:`to_ints`' list for it.
+
+    Returns:
+        key -> value, as ``params(op, ..)`` gave them.
+    """
     out = {}
     for (k, (kind, _)), v in zip(KEYS[op].items(), values):
         out[k] = kind[v] if isinstance(kind, tuple) else None if v == -1 else kind(v)

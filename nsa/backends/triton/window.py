@@ -136,8 +136,8 @@ def _window_fwd_fake(q, k, v, w, scale, q_start, tune):
 @custom_op("nsa::window_fwd", _window_fwd_fake)
 def _window_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, scale: float, q_start: int,
                    tune: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_forward` of one sequence per batch row: (o, lse); ``tune`` from ``tuning.encode``."""
-    return _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.decode("window", tune))
+    """:func:`_forward` of one sequence per batch row: (o, lse); ``tune`` from ``tuning.to_ints``."""
+    return _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tuning.from_ints("window", tune))
 
 
 class WindowAttention(torch.autograd.Function):
@@ -158,7 +158,7 @@ class WindowAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         tune = tuning.params("window", q.device)
         if varlen is None:
-            o, lse = _window_fwd_op(q, k, v, int(w), float(scale), int(q_start), tuning.encode("window", tune))
+            o, lse = _window_fwd_op(q, k, v, int(w), float(scale), int(q_start), tuning.to_ints("window", tune))
         else:
             o, lse = _forward(q, k, v, w, scale=scale, q_start=q_start, tune=tune, varlen=varlen)
         ctx.save_for_backward(q, k, v, o, lse)
