@@ -71,8 +71,8 @@ def test_sweep_gives_one_parent_and_finished_children(runs):
     assert len(parents) == 1 and len(children) == 2
     parent = parents[0]
     assert parent.info.status == "FINISHED"
-    # the parent's name says what its jobs share (hardware, model, backend) and what they sweep
-    assert parent.info.run_name == "decode sweep cpu tiny reference seq=72,128", parent.info.run_name
+    # the parent's name says what its jobs share (hardware, model, backend; auto: what it chose) and what they sweep
+    assert parent.info.run_name == "decode sweep auto(cpu) tiny auto(reference) seq=72,128", parent.info.run_name
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert sorted(int(r.data.params["seq"]) for r in children) == [72, 128]
     for r in children:

@@ -253,6 +253,8 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     params, tags = describe(first, {})
     params = {k: v for k, v in params.items() if k not in values and k.split(".")[0] not in values}
     params.update({f"sweep.{k}": ",".join(v) for k, v in values.items()})
+    if any(_bare(k).split(".")[0] in ("backend", "hardware") for k in values):  # the first job's plan only
+        tags.pop("backend_plan", None)  # each child has its own
     tags.update({"sweep": "parent", "sweep_jobs": str(len(jobs)), "launcher": launcher,
                  "seq": ",".join(values.get("seq", [str(first.seq)])),
                  "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
@@ -274,8 +276,13 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
 
 def _fixed(first: Job, swept: dict) -> list[str]:
     """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
-    hardware, models or backends are told apart): :func:`job.identity`, each part unless swept."""
-    return [str(v) for k, v in identity(first) if v and k not in swept]
+    hardware, models or backends are told apart): :func:`job.identity`, each part unless swept. A hardware
+    or backend option that resolved to another name says both (``auto(cpu)`` beside ``cpu``)."""
+    def said(k, v):
+        chosen = first.choices.get(k) if k in ("hardware", "backend") else None
+        return f"{chosen}({v})" if chosen and chosen != v else str(v)
+
+    return [said(k, v) for k, v in identity(first) if v and k not in swept]
 
 
 def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]]]:
