@@ -109,7 +109,7 @@ def test_decode_csv_columns_mean_what_they_say(runs):
     tmp = runs["sweep"][0]
     (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")  # the configured default location
     job_dirs = sorted(p for p in sweep_dir.glob("*_seq*") if p.is_dir())
-    assert [p.name for p in job_dirs] == ["0_seq72", "1_seq128"]
+    assert [p.name for p in job_dirs] == ["0_seq=72", "1_seq=128"]
     assert {"decode_sweep.csv", "decode_vs_seq.png", "multirun.yaml"} <= {p.name for p in sweep_dir.iterdir()}
     for job_dir in job_dirs:
         rows = {r["variant"]: r for r in _rows(job_dir / "decode.csv")}

@@ -173,7 +173,8 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
             + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}",
+                 *dirname_overrides(cfg, jobs, keys, sweeper.job_dirname)]
         try:
             returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
         except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
@@ -193,6 +194,24 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
         print(f"resume:  {resume}", flush=True)
         raise
     return returns
+
+
+def _bare(key: str) -> str:
+    """An override's key as Hydra's override_dirname compares it: no +, ++ or ~, no @package."""
+    return key.lstrip("+~").split("@")[0]
+
+
+def dirname_overrides(cfg, jobs: list[list[str]], keys: list[str], mode: str) -> list[str]:
+    """``hydra.sweeper.job_dirname=swept``: each job's ``hydra.job.override_dirname``, which names its folder
+    (``hydra.sweep.subdir``), leaves out the overrides every job shares (``hardware=cpu``), so a folder says
+    what differs (``0_backend.win=sdpa,branch_force=cmp``); ``all``, or no key that varies: unchanged."""
+    if mode == "all" or not keys:
+        return []
+    if mode != "swept":
+        cli.config_exit(f"hydra.sweeper.job_dirname={mode!r}: must be swept or all")
+    shared = sorted({_bare(o.partition("=")[0]) for ov in jobs for o in ov} - {_bare(k) for k in keys})
+    exclude = [*cfg.hydra.job.config.override_dirname.exclude_keys, *shared]
+    return ["hydra.job.config.override_dirname.exclude_keys=[" + ",".join(f"'{k}'" for k in exclude) + "]"]
 
 
 NAME_MAX = 255  # bytes of one path component on Linux and macOS file systems
