@@ -1,5 +1,6 @@
 """Long work shows its progress with the time left on a terminal, and prints nothing of it elsewhere (issue
-46), through the real CLI: a training run's steps, a sweep's jobs (experiments/progress.py, tqdm). A
+46), through the real CLI: a training run's steps, a sweep's jobs, validate's kernel tests
+(experiments/progress.py, tqdm). A
 pseudo-terminal (120 columns) stands for the user's terminal."""
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from entrypoints import run_bounded, start
 TIME_LEFT = r"{n}/{total} \[\d\d:\d\d<\d\d:\d\d, "
 TRAIN = ["train=smoke", "train.steps=6", "train.eval_every=6", "train.ckpt_every=6"]
 SWEEP = ["hardware=cpu", "decode.per_branch=false", "-m", "seq=64,96,128"]
+# the kernel check alone, on five of its interpreter tests (the report then says FAIL: checks left out, exit 1)
+VALIDATE = ["hardware=cpu", "validate.checks=[env,kernels]", "validate.sizes.cpu.kernels.select=G1-"]
+RC = {"train": 0, "sweep": 0, "validate": 1}
 
 
 def in_terminal(tmp: Path, entry: str, *args: str, timeout: float = 300) -> tuple[int, str]:
@@ -55,7 +59,7 @@ def in_terminal(tmp: Path, entry: str, *args: str, timeout: float = 300) -> tupl
 def runs(tmp_path_factory):
     """name -> (rc, everything written): each command on a terminal and with pipes."""
     template = entrypoints.make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
-    cases = {"train": ("train", TRAIN), "sweep": ("decode", SWEEP)}
+    cases = {"train": ("train", TRAIN), "sweep": ("decode", SWEEP), "validate": ("validate", VALIDATE)}
     tmps = {f"{k}_{how}": tmp_path_factory.mktemp(f"{k}_{how}") for k in cases for how in ("tty", "pipe")}
     for t in tmps.values():
         (t / "mlflow.db").write_bytes(template.read_bytes())
@@ -95,8 +99,14 @@ def test_a_sweep_shows_its_jobs_and_the_time_left_on_a_terminal(runs):
     assert all(ln.lstrip("\r").startswith("[decode] seq=") for ln in text.splitlines() if "] seq=64: FINISHED" in ln)
 
 
-@pytest.mark.parametrize("case", ["train_pipe", "sweep_pipe"])
+def test_validates_kernel_tests_show_their_count_and_the_time_left_on_a_terminal(runs):
+    rc, text = runs["validate_tty"]
+    assert rc == 1 and "Traceback" not in text, text[-3000:]
+    assert re.search(r"\[validate\] kernel tests: +\d+%\|[^|]*\| " + TIME_LEFT.format(n=1, total=5), text), text[-3000:]
+
+
+@pytest.mark.parametrize("case", ["train_pipe", "sweep_pipe", "validate_pipe"])
 def test_without_a_terminal_no_bar_is_printed(runs, case):
     rc, text = runs[case]
-    assert rc == 0, text[-3000:]
+    assert rc == RC[case.split("_")[0]] and "Traceback" not in text, text[-3000:]
     assert not re.search(r"\d+%\|", text) and "step/s" not in text and "job/s" not in text, text[-3000:]
