@@ -107,7 +107,7 @@ def test_ragged_sweep_logs_lengths_and_counts_per_row(cli):
     kids = {int(r.data.params["seed"]): r for r in rs if "mlflow.parentRunId" in r.data.tags}
     assert sorted(kids) == [0, 1] and all(r.info.status == "FINISHED" for r in rs)
     all_rows = {"layer", "nsa", "cmp", "sel", "win", "dense"}
-    lens = {s: _check_job(kids[s], tmp / "out" / "x" / f"{s}_seq64", s, all_rows, True) for s in kids}  # job s: seed s
+    lens = {s: _check_job(kids[s], tmp / "out" / "x" / f"{s}_seed={s}", s, all_rows, True) for s in kids}  # job s: seed s
     assert lens[0] != lens[1]  # another seed, other lengths
     assert kids[0].data.params["decode.ragged"] == "True"
     assert "ragged: peers ['fla'] skipped" in err and "ragged: context lengths" in err

@@ -71,8 +71,8 @@ def test_sweep_gives_one_parent_and_finished_children(runs):
     assert len(parents) == 1 and len(children) == 2
     parent = parents[0]
     assert parent.info.status == "FINISHED"
-    # the parent's name says what its jobs share (hardware, model, backend) and what they sweep
-    assert parent.info.run_name == "decode sweep cpu tiny reference seq=72,128", parent.info.run_name
+    # the parent's name says what its jobs share (hardware, model, backend; auto: what it chose) and what they sweep
+    assert parent.info.run_name == "decode sweep auto(cpu) tiny auto(reference) seq=72,128", parent.info.run_name
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert sorted(int(r.data.params["seq"]) for r in children) == [72, 128]
     for r in children:
@@ -109,7 +109,7 @@ def test_decode_csv_columns_mean_what_they_say(runs):
     tmp = runs["sweep"][0]
     (sweep_dir,) = (tmp / "outputs" / "decode").glob("multirun_*")  # the configured default location
     job_dirs = sorted(p for p in sweep_dir.glob("*_seq*") if p.is_dir())
-    assert [p.name for p in job_dirs] == ["0_seq72", "1_seq128"]
+    assert [p.name for p in job_dirs] == ["0_seq=72", "1_seq=128"]
     assert {"decode_sweep.csv", "decode_vs_seq.png", "multirun.yaml"} <= {p.name for p in sweep_dir.iterdir()}
     for job_dir in job_dirs:
         rows = {r["variant"]: r for r in _rows(job_dir / "decode.csv")}

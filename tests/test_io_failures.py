@@ -162,7 +162,7 @@ def test_sweep_on_a_full_disk_fails_its_jobs_in_one_line_each_and_prints_its_sum
     while _running_child(tmp_path / "mlflow.db", "decode") is None and time.time() - t0 < 240:
         assert p.poll() is None, p.communicate()
         time.sleep(0.1)
-    log = disk / "sw" / "0_seq64" / "decode.log"
+    log = disk / "sw" / "0_seq=64" / "decode.log"
     with open(log, "ab") as f:  # its last page filled too: the job's next line cannot be written
         f.write(b"-" * (-log.stat().st_size % 4096))
     _fill(disk)
@@ -172,7 +172,7 @@ def test_sweep_on_a_full_disk_fails_its_jobs_in_one_line_each_and_prints_its_sum
     assert rc == 1, err[-3000:]
     parent = next(r for r in rs if "mlflow.parentRunId" not in r.data.tags)
     (child,) = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
-    csv = disk / "sw" / "0_seq64" / "decode.csv"
+    csv = disk / "sw" / "0_seq=64" / "decode.csv"
     assert child.info.status == "FAILED" and child.data.tags["error"] == f"{csv}: no space left on device"
     assert f"[decode] seq=64 job 0: FAILED: {csv}: no space left on device" in one_line(err)
     assert parent.info.status == "FAILED" and "no space left on device" in parent.data.tags["error"]

@@ -111,7 +111,7 @@ def test_every_op_is_checked_then_timed(runs):
         assert used["selection"]["mode"] == "block" and used["topn"]["elems"] == 256
         assert used["compressed"] == tuning.TABLES["interpret"]["compressed"]
     # decode: the kernels' own token counts for the query at 63 (tiny: l=16, d=8, 4 blocks of 16, w=32)
-    rows = {x["variant"]: x for x in _rows(tmp / "out" / "x" / f"{OPS.index('decode')}_seq64" / "kernels.csv")}
+    rows = {x["variant"]: x for x in _rows(tmp / "out" / "x" / f"{OPS.index('decode')}_op=decode" / "kernels.csv")}
     cmp_, sel, win = (64 - 16) // 8 + 1, 4 * 16, 32
     assert [float(rows[v]["kv_tokens_read_per_step_per_group"]) for v in ("cmp", "sel", "win", "nsa", "dense")] == \
         [cmp_, sel, win, cmp_ + sel + win, 64]

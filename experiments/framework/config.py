@@ -11,7 +11,7 @@ import errno
 import importlib
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ class Job:
     out_dir: Path | None = None  # the job's output directory (set by run_job)
     run: Any = None              # the job's tracking run, job.Run (set by run_job before work runs)
     cp: Any = None               # parallel.cp > 1: this rank's parallel.Group (set by run_job before work runs)
+    choices: dict = field(default_factory=dict)  # the config groups' options it composed (backend=sdpa), if known
 
 
 def one_line(e: BaseException) -> str:
@@ -204,14 +205,40 @@ def kernels_on_cpu(cfg: DictConfig) -> str:
             "model=tiny seq=64 (or run it on a GPU)")
 
 
+def option_backends(option: str | None) -> dict[str, str | None]:
+    """``backend=<option>``'s backend per branch, as conf/backend/<option>.yaml gives them (null: the hardware
+    profile's policy); {} for no option or an unknown one."""
+    path = CONF_DIR / "backend" / f"{option}.yaml"
+    if option is None or not path.is_file():
+        return {}
+    node = OmegaConf.load(path)
+    return {b: node.get(b) for b in BRANCHES}
+
+
+def option_meaning(option: str | None) -> str | None:
+    """What ``backend=<option>`` runs where that is not <option> for every branch (``sdpa``: "cmp=triton
+    sel=triton win=sdpa"); None where it is one backend everywhere, or the policy's (``auto``)."""
+    per = option_backends(option)
+    if not per or all(v is None for v in per.values()) or all(v == option for v in per.values()):
+        return None
+    return " ".join(f"{b}={v if v is not None else 'policy'}" for b, v in per.items())
+
+
 def check_backends(plan: dict, fallback: str | None, device: torch.device, dtype: torch.dtype,
-                   branches: tuple[str, ...]) -> None:
-    """Each backend's own availability check (``nsa.dispatch.choose``) for this device and dtype."""
+                   branches: tuple[str, ...], option: str | None = None) -> None:
+    """Each backend's own availability check (``nsa.dispatch.choose``) for this device and dtype. A
+    branch whose backend is ``backend=<option>``'s (not one the user or the policy set) is named by
+    what the user typed, ``backend=<option>``, with what that option runs per branch."""
+    per = option_backends(option)
     for b in branches:
         try:
             dispatch.choose(b, plan[b], device, dtype, fallback)
         except dispatch.BackendUnavailable as e:
-            raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
+            if per.get(b) != plan[b]:
+                raise ConfigError(f"backend.{b}={plan[b]}: {one_line(e)}") from e
+            meaning = option_meaning(option)
+            runs = f" runs {meaning} (conf/backend/{option}.yaml), and" if meaning else ""
+            raise ConfigError(f"backend={option}:{runs} {one_line(e)}") from e
 
 
 def backend_by_seq(policy, branch: str, seq: int, profile: str) -> tuple[str, str] | None:
@@ -262,12 +289,17 @@ def backends_by_entry(policy, entry: str) -> dict[str, str]:
     return {b: n for b, n in (node.get(entry) or {}).items() if n is not None}
 
 
-def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
+def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None = None) -> Job:
     """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
 
     ``here=False``: the job will run on another host (a SLURM launcher's): a named hardware profile is
     not matched to this host's device, nor the backends' availability checked; the job does both
-    where it runs."""
+    where it runs. ``choices``: the config groups' options the job composed (Hydra's
+    ``hydra.runtime.choices``; read from ``cfg.hydra`` where it has that node), for the keys errors name."""
+    if choices is None and OmegaConf.select(cfg, "hydra.runtime.choices", default=None) is not None:
+        choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra/") and v}
+    option = choices.get("backend")
     try:
         check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     except ToolchainError as e:
@@ -290,8 +322,9 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True) -> Job:
     if here:
         if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
             raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
-        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch))
-    job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch)
+        check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch), option)
+    job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch,
+              choices=choices)
     if entry in ENTRY_CHECKS:
         module, name = ENTRY_CHECKS[entry].split(":")
         try:

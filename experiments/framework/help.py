@@ -12,6 +12,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from .config import option_meaning
+
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
@@ -28,6 +30,9 @@ def groups(_root_: DictConfig) -> str:
     for g in sorted(k for k in choices if not k.startswith("hydra/") and (CONF / k).is_dir()):
         if choices[g] is not None:  # None: a group of the shared defaults this entry point leaves out
             lines.append(f"{g}: {', '.join(options(g))} (now: {choices[g]})")
+            if g == "backend":  # an option that is another backend for some branches says so
+                mixed = [f"backend={o} runs {m}" for o in options(g) if (m := option_meaning(o))]
+                lines += [f"  ({'; '.join(mixed)})"] if mixed else []
     return "\n".join(lines)
 
 

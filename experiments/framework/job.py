@@ -145,6 +145,8 @@ def describe(job: Job, choices: dict) -> tuple[dict, dict]:
             "hardware_selected": job.profile_note, "branch_force": job.branch, "seq": str(job.seq),
             "dtype": str(job.dtype).replace("torch.", ""), "policy_overrides": "; ".join(job.policy_notes) or "none",
             **{f"backend_plan_{b}": job.plan[b] for b in BRANCHES}}
+    if "backend" in job.choices:  # what backend=<option> meant for this job, branch by branch
+        tags["backend_plan"] = f"backend={job.choices['backend']}: " + " ".join(f"{b}={job.plan[b]}" for b in BRANCHES)
     return params, tags
 
 
@@ -168,7 +170,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     tags = {"sweep_job": json.dumps(key), **({"launcher": launcher_name(hc)} if parent and hc else {})}
     try:
         check_timed_device(cfg, entry)
-        job = prepare(cfg, entry)
+        job = prepare(cfg, entry, choices=choices)
         job.out_dir = out_dir
         if fits is not None and parent is None:  # a sweep's job: work() checks it, and fails alone
             fits(job)

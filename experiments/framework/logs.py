@@ -10,9 +10,25 @@ from __future__ import annotations
 import logging
 import sys
 
+from tqdm import tqdm
+
 
 def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """A line on stderr, above a progress bar shown there (:mod:`experiments.progress`), not through it."""
+    tqdm.write(msg, file=sys.stderr)
+    sys.stderr.flush()
+
+
+class Console(logging.StreamHandler):
+    """The console's lines, written above a progress bar shown on the same stream (a sweep's jobs run in
+    its process by the basic launcher), not through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # noqa: BLE001  (logging's own rule: a failing handler reports, never raises)
+            self.handleError(record)
 
 
 class OneLine(logging.Formatter):

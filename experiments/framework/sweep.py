@@ -17,20 +17,24 @@ written and the store and the parent run could be created (one line, exit 2). Th
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
 import shlex
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .. import progress
 from . import cli, launchers, parallel, report, tracking, views
 from .config import ConfigError, Job, check_timed_device, error_text, one_line, out_of_space, prepare
 from .job import CPU_FIGURES, HEADLINE, TIME_FIGURES, describe, identity, job_key, launcher_name
@@ -173,9 +177,11 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
             + f"; store {store.describe()}; parent run {parent}; outputs {sweep_dir}")
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}"]
+        extra = [f"++tracking.uri={_quote(store.uri)}", f"++tracking.parent_run_id={parent}",
+                 *dirname_overrides(cfg, jobs, keys, sweeper.job_dirname)]
         try:
-            returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
+            with progress.bar(len(todo), f"[{entry}] sweep", "job") as shown, _follow(shown, store, parent):
+                returns = sweeper.launcher.launch([ov + extra for ov in todo], initial_job_idx=0) if todo else []
         except Exception as e:  # noqa: BLE001  (a launcher's failure, e.g. a job the scheduler killed: summarized below)
             if slurm is not None and launchers.left_no_result(e):
                 say(f"[{entry}] a SLURM job left no result ({one_line(e)[:160]}...); waiting for the others")
@@ -193,6 +199,57 @@ def run_sweep(sweeper, arguments: list[str]) -> list:
         print(f"resume:  {resume}", flush=True)
         raise
     return returns
+
+
+FOLLOW_S = 2.0  # how often a sweep's progress bar reads its children's states from the store
+
+
+@contextlib.contextmanager
+def _follow(shown, store, parent: str) -> Iterator[None]:
+    """While the launcher runs, the sweep's bar (``shown``, not disabled) counts its jobs whose runs have
+    ended, read from the store every FOLLOW_S seconds: the same for jobs in this process, in others (local_gpus)
+    or on other hosts (SLURM). A read that fails (the store busy) is tried again at the next tick."""
+    if shown.disable:
+        yield
+        return
+
+    def ended() -> int:
+        return sum(r.info.status != "RUNNING" for r in tracking.children(store.client, store.experiment_id, parent))
+
+    before, stop = ended(), threading.Event()  # before: a resumed sweep's jobs that ended earlier
+
+    def poll() -> None:
+        while not stop.wait(FOLLOW_S):
+            try:
+                shown.update(max(0, min(shown.total, ended() - before) - shown.n))
+            except Exception:  # noqa: BLE001  (the bar only: the sweep's summary reads the store again)
+                continue
+
+    t = threading.Thread(target=poll, name="sweep-progress", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def _bare(key: str) -> str:
+    """An override's key as Hydra's override_dirname compares it: no +, ++ or ~, no @package."""
+    return key.lstrip("+~").split("@")[0]
+
+
+def dirname_overrides(cfg, jobs: list[list[str]], keys: list[str], mode: str) -> list[str]:
+    """``hydra.sweeper.job_dirname=swept``: each job's ``hydra.job.override_dirname``, which names its folder
+    (``hydra.sweep.subdir``), leaves out the overrides every job shares (``hardware=cpu``), so a folder says
+    what differs (``0_backend.win=sdpa,branch_force=cmp``); ``all``, or no key that varies: unchanged."""
+    if mode == "all" or not keys:
+        return []
+    if mode != "swept":
+        cli.config_exit(f"hydra.sweeper.job_dirname={mode!r}: must be swept or all")
+    shared = sorted({_bare(o.partition("=")[0]) for ov in jobs for o in ov} - {_bare(k) for k in keys})
+    exclude = [*cfg.hydra.job.config.override_dirname.exclude_keys, *shared]
+    return ["hydra.job.config.override_dirname.exclude_keys=[" + ",".join(f"'{k}'" for k in exclude) + "]"]
 
 
 NAME_MAX = 255  # bytes of one path component on Linux and macOS file systems
@@ -253,6 +310,8 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
     params, tags = describe(first, {})
     params = {k: v for k, v in params.items() if k not in values and k.split(".")[0] not in values}
     params.update({f"sweep.{k}": ",".join(v) for k, v in values.items()})
+    if any(_bare(k).split(".")[0] in ("backend", "hardware") for k in values):  # the first job's plan only
+        tags.pop("backend_plan", None)  # each child has its own
     tags.update({"sweep": "parent", "sweep_jobs": str(len(jobs)), "launcher": launcher,
                  "seq": ",".join(values.get("seq", [str(first.seq)])),
                  "sweep_overrides": " | ".join(" ".join(ov) for ov in jobs),
@@ -274,8 +333,13 @@ def _new_parent(store, entry: str, first: Job, jobs: list[list[str]], keys: list
 
 def _fixed(first: Job, swept: dict) -> list[str]:
     """What the sweep's jobs share and a parent's name should say (two sweeps of the same lists on other
-    hardware, models or backends are told apart): :func:`job.identity`, each part unless swept."""
-    return [str(v) for k, v in identity(first) if v and k not in swept]
+    hardware, models or backends are told apart): :func:`job.identity`, each part unless swept. A hardware
+    or backend option that resolved to another name says both (``auto(cpu)`` beside ``cpu``)."""
+    def said(k, v):
+        chosen = first.choices.get(k) if k in ("hardware", "backend") else None
+        return f"{chosen}({v})" if chosen and chosen != v else str(v)
+
+    return [said(k, v) for k, v in identity(first) if v and k not in swept]
 
 
 def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]]]:
@@ -315,7 +379,7 @@ def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str],
     from mlflow.exceptions import MlflowException
 
     rows, charts = [], None
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _quiet_downloads():
         for ov, r in zip(jobs, runs):
             if r is None:
                 continue
@@ -330,6 +394,20 @@ def _rows(store, entry: str, jobs: list[list[str]], runs: list, keys: list[str],
             if charts is None and "charts" in r.data.tags:
                 charts = report.Charts.from_tag(r.data.tags["charts"])
     return rows, charts
+
+
+@contextlib.contextmanager
+def _quiet_downloads() -> Iterator[None]:
+    """MLflow's bar for each artifact it downloads (tqdm, drawn even where stderr is no terminal): off while
+    the summary reads the jobs' CSVs (a few KB each), through MLflow's own switch."""
+    from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR as bars
+
+    was = bars.get_raw()
+    bars.set("false")
+    try:
+        yield
+    finally:
+        bars.unset() if was is None else bars.set(was)
 
 
 def _curves(store, jobs: list[list[str]], runs: list, keys: list[str], ys) -> dict:

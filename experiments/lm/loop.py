@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from nsa import NSAConfig, dispatch
 from nsa.numerics import DTYPES
 
+from .. import progress
 from ..measure.timing import profiled
 from ..nested import flatten
 from . import ablations, checkpoint, cost, probes, recipe
@@ -305,56 +306,58 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     # time and tokens are left out of that window's tokens_per_s (the profiler slows it)
     profile_at, profile = tc.log_every + 1 if tc.profile else None, None
     model.train()
-    while step < tc.steps:
-        lr = tc.lr_at(step + 1)
-        for group in opt.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before the recipe has none
-        stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
-        _, task, batch = stages[stage]
-        profiling, t0 = step + 1 == profile_at, time.perf_counter()
-        with profiled(device, rows=40) if profiling else contextlib.nullcontext() as table:
-            tokens, targets = task.batch("train", position, batch)
-            sel_w = recipe_weight(cfg, step + 1, task.seq_len)
-            sel_rows = None if not sel_w else recipe.sample_rows(
-                targets != IGNORE, tc.recipe.sel_loss_rows, first_row, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            ).to(device, non_blocking=True)
-            tokens, targets = (t.to(device, non_blocking=True) for t in (tokens, targets))
-            gates.mask = targets != IGNORE if task.answers_only else None
-            held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
-            with autocast(), compiling():
-                loss, correct, n, aux = _loss(step_model, tokens, targets, task, sel_rows, tc.recipe.sel_loss_detach_q)
-            opt.zero_grad(set_to_none=True)
-            (loss if aux is None else loss + sel_w * aux).backward()
-            if aux is not None:
-                window.add_aux(aux)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
-            opt.step()
-        step, position = step + 1, position + 1
-        window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
-        if profiling:
-            took = time.perf_counter() - t0
-            profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {took:.4f} s under the " \
-                      "profiler\n" + "\n".join(table)
-            window.untimed_s += took
-            window.untimed_tokens += tokens.numel()
-            window.untimed_flops += flops[stage]
-        if step % tc.log_every and step != tc.steps:
-            continue
-        metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
-        if step > logged_through:
-            if tc.eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
-                gates.active = False
-                metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast))
-                gates.active = True
-            log(metrics, step)
-            last_metrics = metrics
-        out_of_time = tc.time_limit_s is not None and time.perf_counter() - t_start > tc.time_limit_s
-        if step % tc.ckpt_every == 0 or step == tc.steps or out_of_time:
-            _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
-        if out_of_time and step < tc.steps:
-            completed = False
-            break
-        window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
+    with progress.bar(tc.steps, "train", "step", initial=step) as shown:  # quiet where stderr is no terminal
+        while step < tc.steps:
+            lr = tc.lr_at(step + 1)
+            for group in opt.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before the recipe has none
+            stage = next(i for i, st in enumerate(stages) if step < st[0])  # the stage of update step + 1
+            _, task, batch = stages[stage]
+            profiling, t0 = step + 1 == profile_at, time.perf_counter()
+            with profiled(device, rows=40) if profiling else contextlib.nullcontext() as table:
+                tokens, targets = task.batch("train", position, batch)
+                sel_w = recipe_weight(cfg, step + 1, task.seq_len)
+                sel_rows = None if not sel_w else recipe.sample_rows(
+                    targets != IGNORE, tc.recipe.sel_loss_rows, first_row,
+                    torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)).to(device, non_blocking=True)
+                tokens, targets = (t.to(device, non_blocking=True) for t in (tokens, targets))
+                gates.mask = targets != IGNORE if task.answers_only else None
+                held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
+                with autocast(), compiling():
+                    loss, correct, n, aux = _loss(step_model, tokens, targets, task, sel_rows, tc.recipe.sel_loss_detach_q)
+                opt.zero_grad(set_to_none=True)
+                (loss if aux is None else loss + sel_w * aux).backward()
+                if aux is not None:
+                    window.add_aux(aux)
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
+                opt.step()
+            step, position = step + 1, position + 1
+            shown.update(1)
+            window.add(loss, correct, n, gnorm, tokens.numel(), flops[stage])
+            if profiling:
+                took = time.perf_counter() - t0
+                profile = f"step {step} (seq_len {task.seq_len}, batch {batch}), its wall time {took:.4f} s under the " \
+                          "profiler\n" + "\n".join(table)
+                window.untimed_s += took
+                window.untimed_tokens += tokens.numel()
+                window.untimed_flops += flops[stage]
+            if step % tc.log_every and step != tc.steps:
+                continue
+            metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
+            if step > logged_through:
+                if tc.eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
+                    gates.active = False
+                    metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast))
+                    gates.active = True
+                log(metrics, step)
+                last_metrics = metrics
+            out_of_time = tc.time_limit_s is not None and time.perf_counter() - t_start > tc.time_limit_s
+            if step % tc.ckpt_every == 0 or step == tc.steps or out_of_time:
+                _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
+            if out_of_time and step < tc.steps:
+                completed = False
+                break
+            window.reset()  # evaluation and checkpoints count neither in tokens_per_s nor in peak_mem_gib
     gates.remove()
     branch_gates.remove()
     held.remove()

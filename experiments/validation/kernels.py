@@ -20,12 +20,14 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
 from nsa import env
 
+from .. import progress
 from ..framework.config import REPO
 from .core import Check, Context
 from .report import Code, Items, Table
@@ -38,6 +40,7 @@ def command(ctx: Context, files: list[str], xml: Path, meta: Path) -> list[str]:
     k = ctx.size.kernels
     return [sys.executable, "-m", "pytest", "-q", "-p", "experiments.validation.pytest_plugin", "-p", "no:cacheprovider",
             f"--junitxml={xml}", "-o", "junit_family=xunit1", f"--validate-json={meta}",
+            f"--validate-progress={meta.with_name('progress.txt')}",
             *(["-m", k.marker] if k.marker else []), *(["-k", k.select] if k.get("select") else []),
             *([f"--inject-fault={ctx.fault}"] if ctx.fault else []), *xdist(workers(ctx)), *files]
 
@@ -54,6 +57,29 @@ def xdist(n: int) -> list[str]:
     CPU core per compile; the tests that hold the most GPU memory share one worker: tests/kernel_cases.py
     BIG); none for 1."""
     return ["-n", str(n), "--dist", "loadgroup"] if n > 1 else []
+
+
+def follow(p: subprocess.Popen, done: Path, timeout_s: float) -> int | None:
+    """Wait for pytest (killed past ``timeout_s``: None), its tests' progress on a bar (the plugin's
+    ``--validate-progress`` file: the count, then a line a test; quiet where stderr is no terminal)."""
+    t0 = time.monotonic()
+    with progress.bar(0, "[validate] kernel tests", "test") as shown:
+        while True:
+            try:
+                rc = p.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                rc = None
+            lines = done.read_text().splitlines() if done.exists() else []
+            total = next((int(ln.split()[1]) for ln in lines if ln.startswith("total ")), 0)
+            if total and shown.total != total:
+                shown.reset(total)
+            shown.update(sum(ln == "done" for ln in lines) - shown.n)
+            if rc is not None:
+                return rc
+            if time.monotonic() - t0 > timeout_s:
+                p.kill()
+                p.wait()
+                return None
 
 
 def parse(xml: Path) -> list[dict]:
@@ -97,13 +123,12 @@ def run(ctx: Context) -> Check:
         p.unlink(missing_ok=True)
     cmd = command(ctx, files, xml, meta)
     c.blocks.append(Code(" ".join(cmd[1:]).replace(str(out) + "/", "<run>/kernels/")))
+    done = out / "progress.txt"
+    done.unlink(missing_ok=True)
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, env=env.child_environment(triton_interpret=bool(k.interpreter),
-                                                                       pythonpath=str(REPO)),
-                                stdout=f, stderr=subprocess.STDOUT, timeout=float(k.timeout_s), check=False).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        p = subprocess.Popen(cmd, cwd=REPO, env=env.child_environment(triton_interpret=bool(k.interpreter), pythonpath=str(REPO)),
+                             stdout=f, stderr=subprocess.STDOUT)
+        rc = follow(p, done, float(k.timeout_s))
     c.files += [p for p in (xml, meta, log) if p.exists()]
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     if rc is None:

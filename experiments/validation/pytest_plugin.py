@@ -4,7 +4,9 @@
   ``nodeid``, and ``kernel``, what it checks (the ``kernel`` marker's name: cmp, sel, win, layer;
   else its module's name without ``test_`` and ``_gpu``), by which the report groups the tests;
 * ``--validate-json PATH`` writes the tests that were deselected (by ``-m``, ``-k``, or the ``gpu``
-  rule of tests/conftest.py), which junit XML does not list.
+  rule of tests/conftest.py), which junit XML does not list;
+* ``--validate-progress PATH``: a line ``total <n>`` once the tests are collected, then a line ``done``
+  per test that ended (the validate process draws its progress bar from it).
 """
 from __future__ import annotations
 
@@ -16,6 +18,44 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--validate-json", default=None, help="experiments.validate: write the deselected tests here")
+    parser.addoption("--validate-progress", default=None, help="experiments.validate: the tests' count, then one line a test")
+
+
+_CONFIG: list = []  # this session's pytest config (the progress hooks have none of their own)
+
+
+def pytest_configure(config):
+    _CONFIG[:] = [config]
+
+
+def _progress(line: str) -> None:
+    """A line of the progress file, from the process that reports (not an xdist worker: its controller does)."""
+    config = _CONFIG[0] if _CONFIG else None
+    path = config.getoption("--validate-progress") if config else None
+    if path and not hasattr(config, "workerinput"):
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def pytest_collection_finish(session):
+    if not getattr(session.config.option, "numprocesses", None):  # xdist: its controller collects nothing
+        _progress(f"total {len(session.items)}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    if not any(ln.startswith("total") for ln in _lines()):  # each worker collects the same list
+        _progress(f"total {len(ids)}")
+
+
+def _lines() -> list[str]:
+    path = _CONFIG[0].getoption("--validate-progress") if _CONFIG else None
+    return Path(path).read_text().splitlines() if path and Path(path).exists() else []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and not report.passed):  # ran, or skipped/errored before
+        _progress("done")
 
 
 def kernel_of(item) -> str:

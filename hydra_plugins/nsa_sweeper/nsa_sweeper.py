@@ -19,9 +19,10 @@ class NSASweeper(Sweeper):
     jobs launched through ``hydra/launcher``, a summary from the store (see conf/hydra/sweeper/nsa.yaml)."""
 
     def __init__(self, params: dict | None = None, resume: str | None = None, show: str | None = None,
-                 show_resolve: bool = False) -> None:
+                 show_resolve: bool = False, job_dirname: str = "swept") -> None:
         super().__init__()
         self.params, self.resume, self.show, self.show_resolve = params or {}, resume, show, show_resolve
+        self.job_dirname = job_dirname
         self.hydra_context: HydraContext | None = None
         self.config: DictConfig | None = None
         self.launcher = None
