@@ -190,8 +190,10 @@ def work(job: Job) -> Result:
         times, parts, peer = _measure(job, layer, L, timed, metrics, tags)
     timed += list(peer)
     rows = [_row(job, v, times, parts, peer, L) for v in timed]
-    # What each variant's step reads and its HBM floor, on this run too (the sweep's parent charts them by seq)
-    metrics.update({f"{k}/{r['variant']}": float(r[k]) for r in rows for k in READ_METRICS})
+    # A single run: what each variant's step reads and its HBM floor (a sweep's parent charts them against seq,
+    # and its children keep to a few metrics each)
+    if job.cfg.tracking.get("parent_run_id") is None:
+        metrics.update({f"{k}/{r['variant']}": float(r[k]) for r in rows for k in READ_METRICS})
     metrics["memory_estimate_gib"] = sum(mem.values()) / 2**30
     if dev.type == "cuda":
         metrics["memory_peak_allocated_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30

@@ -121,7 +121,7 @@ def nsa_cache(model, batch: int, max_len: int):
 def cache_bytes(cache) -> int:
     from nsa.integrations import hf
 
-    return sum(getattr(s.nsa_cache, b).nbytes for s in cache.layers for b in hf._BUFFERS)
+    return sum(getattr(s.nsa_cache, b).nbytes for s in cache.layers for b in hf.BUFFERS)
 
 
 class Clock:

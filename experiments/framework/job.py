@@ -39,7 +39,8 @@ from nsa import dispatch
 from ..nested import flatten
 
 from . import cli, parallel, tracking
-from .config import BRANCHES, ConfigError, Job, ResourceLimit, check_timed_device, error_text, one_line, prepare
+from .config import (BRANCHES, ConfigError, Job, ResourceLimit, check_timed_device, error_text, one_line,
+                     option_meaning, prepare)
 from .report import Charts, write_csv
 
 log = logging.getLogger("experiments")
@@ -145,7 +146,7 @@ def describe(job: Job, choices: dict) -> tuple[dict, dict]:
             "hardware_selected": job.profile_note, "branch_force": job.branch, "seq": str(job.seq),
             "dtype": str(job.dtype).replace("torch.", ""), "policy_overrides": "; ".join(job.policy_notes) or "none",
             **{f"backend_plan_{b}": job.plan[b] for b in BRANCHES}}
-    if "backend" in job.choices:  # what backend=<option> meant for this job, branch by branch
+    if option_meaning(job.choices.get("backend")):  # backend=sdpa|fa2: what the option meant, branch by branch
         tags["backend_plan"] = f"backend={job.choices['backend']}: " + " ".join(f"{b}={job.plan[b]}" for b in BRANCHES)
     return params, tags
 

@@ -37,7 +37,7 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")  # config.model_type
 # NSAConfig fields the model fixes (convert reads them from it); the others are the NSA settings.
 FROM_MODEL = ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "rope_base", "qkv_bias", "o_bias")
 SETTINGS = tuple(f.name for f in fields(NSAConfig) if f.name not in FROM_MODEL)
-_BUFFERS = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
+BUFFERS = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
 _GROW = 1024  # an NSACacheLayer's capacity grows in multiples of this many tokens
 
 
@@ -70,7 +70,7 @@ class NSACacheLayer(CacheLayerMixin):
             new = layer.new_cache(x.shape[0], cap, device=x.device)
             if old is not None:
                 L, Lc = old.length, layer.config.n_cmp(old.length)
-                for name in _BUFFERS:
+                for name in BUFFERS:
                     m = Lc if name in ("k_cmp", "v_cmp") else L
                     getattr(new, name)[:, :m] = getattr(old, name)[:, :m]
                 new.length = L
@@ -105,7 +105,7 @@ class NSACacheLayer(CacheLayerMixin):
     def _map(self, fn) -> None:
         c = self.nsa_cache
         if c is not None:
-            self.nsa_cache = NSACache(*(fn(getattr(c, f)) for f in _BUFFERS), max_len=c.max_len, length=c.length)
+            self.nsa_cache = NSACache(*(fn(getattr(c, f)) for f in BUFFERS), max_len=c.max_len, length=c.length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: the cache's rows reordered by ``beam_idx``."""
