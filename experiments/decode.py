@@ -19,9 +19,10 @@ applies). Rows (column ``variant``):
   cache, where it can run the shape; else a tag ``peer_fla`` says why).
 
 Key/value tokens read are counted from the indices and ranges the step used (per group, mean over
-batch and groups), beside the paper's formula; bytes are summed over batch and groups. Every run logs them
-with the HBM floor (bytes / the profile's peak_hbm_gbps) as metrics ``kv_tokens_read_per_step_per_group/<variant>``,
-``kv_bytes_read_per_step/<variant>`` and ``hbm_floor_ms/<variant>`` (headline: ``0_nsa_hbm_floor_ms``, ...).
+batch and groups), beside the paper's formula; bytes are summed over batch and groups. A single run (not a
+sweep's job, whose parent charts them against seq) logs them with the HBM floor (bytes / the profile's
+peak_hbm_gbps) as metrics ``kv_tokens_read_per_step_per_group/<variant>``, ``kv_bytes_read_per_step/<variant>``
+and ``hbm_floor_ms/<variant>``; every run has the headlines ``0_nsa_hbm_floor_ms``, ....
 
 Timing on a GPU (``decode.cuda_graph``): each row is captured ``decode.graph_reps`` times in a row in
 ONE CUDA graph, and the time of a replay divided by that number is the step's time (p20/p50/p80_ms).

@@ -420,7 +420,7 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
         chosen.scatter_(-1, torch.where(indices >= 0, indices, nb), True)  # -1 entries land in column nb
         if bool((chosen[..., :nb].sum(-1) == (indices >= 0).sum(-1)).all()):  # no block listed twice
             key = torch.arange(S, device=q.device)
-            bad = None if finite else ~(torch.isfinite(k_sel).all(-1) & torch.isfinite(v_sel).all(-1))
+            bad = None if finite else torch.logical_or(*_bad_tokens(k_sel, v_sel))
 
             def masked(c0, c1, q, k_sel, v_sel):
                 allowed = chosen[:, c0:c1, :, key // ls] & (key <= pos[c0:c1, None, None])[None]
@@ -455,7 +455,7 @@ def sliding_window_attention(q, k_win, v_win, config: NSAConfig, *, scale=None, 
     S = k_win.shape[1]
     if varlen is None and S > 0 and _masked_cheaper(HQ, H, S, w, k_win.shape[3], v_win.shape[3]):
         key = torch.arange(S, device=q.device)
-        bad = None if finite else ~(torch.isfinite(k_win).all(-1) & torch.isfinite(v_win).all(-1))
+        bad = None if finite else torch.logical_or(*_bad_tokens(k_win, v_win))
 
         def masked(c0, c1, q, k_win, v_win):
             d = pos[c0:c1, None] - key  # [c, S]: how far back each key lies
