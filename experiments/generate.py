@@ -8,13 +8,16 @@ On a CPU, at a tiny shape: ``--help``'s example.
 The model (``generate.lm``: llama, qwen2 or mistral, random init, built offline on the device in the run's dtype)
 takes its attention shape from ``model.nsa`` (``dim`` = hidden_size, heads, key/value heads, ``d_k`` = ``d_v`` =
 head_dim, ``rope_base`` = rope_theta) and its body from ``generate.lm`` (layers, MLP width, vocabulary);
-``attention=nsa`` converts it with the rest of ``model.nsa`` as the NSA settings, on the run's backend plan;
+``attention=nsa`` converts it with the rest of ``model.nsa`` as the NSA settings, on the run's backend plan, each
+new token run as ``generate.decode`` says (``nsa.integrations.hf.DECODE``; ``auto``: one CUDA graph of the fused
+decode step per layer on a GPU, the layer's own cached forward on a CPU; tag ``decode_ran``);
 ``attention=dense`` runs it as transformers has it (SDPA, its DynamicCache). The prompt: ``seq`` random token ids
 (``generate.batch`` rows); ``generate.new_tokens`` tokens greedy (``min_new_tokens`` = ``max_new_tokens``). An NSA
-model's cache (one ``NSACache`` per layer) is made for prompt + new tokens before the call, so no step grows it.
-A clock at each step (a stopping criterion that synchronizes the device, then reads the time) gives the prefill
-(from the call to the first token: every layer's prefill of the prompt, the head, the first argmax) and each
-decode step (one token through every layer); ``generate.warmup`` untimed calls first (Triton's compilation).
+model's cache (one ``NSACache`` per layer) is made for prompt + new tokens before the calls, so no step grows it,
+and reset between them. A clock at each step (a stopping criterion that synchronizes the device, then reads the
+time) gives the prefill (from the call to the first token: every layer's prefill of the prompt, the head, the
+first argmax) and each decode step (one token through every layer); ``generate.warmup`` untimed calls of the same
+length first (Triton's compilation, the CUDA graphs' capture).
 
 ``generate.check_tokens`` (NSA only): on a prompt of ``generate.check_prompt`` tokens, ``generate.check_new_tokens``
 greedy tokens of the NSA model on the run's backends against the same weights on backend=reference, both in
@@ -31,6 +34,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from nsa.decode import DECODE_PATHS as DECODE
 from nsa.numerics import DTYPES
 
 from .framework import Charts, Job, Result, check_memory, launch, run_job
@@ -38,6 +42,9 @@ from .framework import Charts, Job, Result, check_memory, launch, run_job
 log = logging.getLogger("experiments.generate")
 ARCHS = ("llama", "qwen2", "mistral")
 KINDS = ("nsa", "dense")
+DECODE_SAYS = {"graph": "one CUDA graph of the fused decode step per layer (GraphDecoder.replay)",
+               "step": "the fused decode kernels, eager (GraphDecoder.step)",
+               "module": "the layer's own cached forward (NSAAttention.forward(x_t, cache))"}
 
 
 def check_config(job: Job) -> None:
@@ -52,6 +59,8 @@ def check_config(job: Job) -> None:
             raise ValueError(f"generate.{key}={v!r}: must be an integer >= 1")
     if not isinstance(g.warmup, int) or isinstance(g.warmup, bool) or g.warmup < 0:
         raise ValueError(f"generate.warmup={g.warmup!r}: must be an integer >= 0")
+    if g.decode not in DECODE:
+        raise ValueError(f"generate.decode={g.decode!r}: one of {', '.join(DECODE)}")
     if not isinstance(g.check_tokens, bool):
         raise ValueError(f"generate.check_tokens={g.check_tokens!r}: must be true or false")
     if g.check_dtype not in DTYPES:
@@ -101,7 +110,8 @@ def build(job: Job, kind: str, dtype: torch.dtype, backend, max_positions: int):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(job, max_positions), dtype=dtype,
                                                               attn_implementation="sdpa")
     if kind == "nsa":
-        hf.convert(model, backend=backend, fallback=job.fallback, streams=bool(job.cfg.streams), **nsa_settings(job))
+        hf.convert(model, backend=backend, fallback=job.fallback, streams=bool(job.cfg.streams),
+                   decode=str(job.cfg.generate.decode), **nsa_settings(job))
     return model.eval()
 
 
@@ -223,15 +233,19 @@ def work(job: Job) -> Result:
     prompt = torch.randint(0, int(g.lm.vocab), (B, S), device=dev,
                            generator=torch.Generator(dev).manual_seed(int(job.cfg.seed) + 1))
 
+    cache = nsa_cache(model, B, S + N) if kind == "nsa" else None  # reset before each call, never grown
+
     def fresh():
-        return nsa_cache(model, B, S + N) if kind == "nsa" else None
+        if cache is not None:
+            cache.reset()
+        return cache
 
     for _ in range(int(g.warmup)):
-        greedy(model, prompt, min(N, 4), fresh())
+        greedy(model, prompt, N, fresh())
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    cache, clock = fresh(), Clock(dev)
-    out, t0 = greedy(model, prompt, N, cache, clock)
+    clock = Clock(dev)
+    out, t0 = greedy(model, prompt, N, fresh(), clock)
     assert out.sequences.shape == (B, S + N) and len(clock.t) == N, (tuple(out.sequences.shape), len(clock.t))
     if kind == "nsa":  # the cache made here took the prompt and every token but the last, and never grew
         c0 = cache.layers[0].nsa_cache
@@ -248,12 +262,13 @@ def work(job: Job) -> Result:
     if dev.type == "cuda":
         headline["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30  # the timed call's
     metrics["est_mem_gib"] = estimate_bytes(job) / 2**30
-    tags = {"attention": kind, "arch": g.lm.arch,
+    ran = sorted({str(layer.self_attn.decode_ran) for layer in model.base_model.layers}) if kind == "nsa" else []
+    tags = {"attention": kind, "arch": g.lm.arch, **({"decode_ran": ",".join(ran)} if ran else {}),
             "generate_timed": "prefill_s: generate() call to the first token; decode: each later token through every "
                               "layer (device synchronized at each token)" + (
                                   "; dense: transformers' DynamicCache" if kind == "dense" else
-                                  "; NSA: an NSACache per layer sized for prompt + new tokens, eager decode steps "
-                                  "(the CUDA-graph decoder is not on generate's path)")}
+                                  f"; NSA: an NSACache per layer sized for prompt + new tokens, each token "
+                                  f"{DECODE_SAYS.get(','.join(ran), ','.join(ran))}")}
     log.info(f"[generate] seq={S} {kind}: {params / 1e6:.0f}M params, prefill {prefill_s:.3f} s"
              + (f", decode {headline['decode_tokens_per_s']:.1f} tokens/s" if steps else ""))
     model = cache = out = None  # freed before the check builds its two models

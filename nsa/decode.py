@@ -47,6 +47,9 @@ from .dispatch import BRANCHES
 from .config import NSAConfig
 from .module import NSAAttention, NSACache, apply_rope, rope_cos_sin
 
+# How a cached layer of a transformers model runs one new token (nsa.integrations.hf): GraphDecoder's step in a
+# CUDA graph, the step eager, the layer's own cached forward, or auto (graph on a GPU backend with decode kernels).
+DECODE_PATHS = ("auto", "graph", "step", "module")
 
 
 def tokens_read(config: NSAConfig, S: int, indices: torch.Tensor) -> dict:
@@ -122,9 +125,6 @@ class GraphDecoder:
 
     def __init__(self, module: NSAAttention, cache: NSACache, *, backend=None, n_sm: int | None = None):
         c = self.config = module.config
-        if c.qkv_bias:  # its projection GEMM concatenates the weights alone
-            raise ValueError("NSAConfig.qkv_bias=True: GraphDecoder's step has no input-projection biases; decode "
-                             "with the module's own cached forward (layer(x_t, cache))")
         module.check_cache(cache)  # a cache of another config: one line, not a shape error in a kernel
         self.module, self.cache = module, cache
         ref = cache.k_sel
@@ -174,13 +174,18 @@ class GraphDecoder:
         self._split_sizes = [HQ * Dk] + [H * (Dk if n[0] == "k" else Dv) for n in names]
         n_qkv = sum(self._split_sizes)
         with torch.no_grad():
-            ws = [m.q_proj.weight] + [m.kv_proj[n].weight for n in names]
+            lins = [m.q_proj] + [m.kv_proj[n] for n in names]
+            ws = [lin.weight for lin in lins]
+            # the input projections' biases (NSAConfig.qkv_bias, e.g. Qwen2's), else zeros
+            b_qkv = (torch.cat([lin.bias for lin in lins]) if c.qkv_bias else
+                     m.q_proj.weight.new_zeros(n_qkv)).detach().clone()
             if self._prologue is not None:  # and the gate's (first) Linear, with its bias: one GEMM
                 g1 = m.gate[0] if c.gate_hidden else m.gate
                 self._w_cat = torch.cat(ws + [g1.weight], 0).detach().clone()
-                self._b_cat = torch.cat([g1.bias.new_zeros(n_qkv), g1.bias]).detach().clone()
+                self._b_cat = torch.cat([b_qkv, g1.bias]).detach().clone()
             else:
                 self._w_qkv = torch.cat(ws, 0).detach().clone()
+                self._b_qkv = b_qkv
 
     def sync_position(self):
         """After the cache was filled by other means (``module.forward(x, cache)``): the device
@@ -192,8 +197,14 @@ class GraphDecoder:
         else:
             self._pos.copy_(self._rows)
 
-    def _moved(self) -> bool:
-        """The cache's positions differ from this decoder's host mirror."""
+    @property
+    def captured(self) -> bool:
+        """A step was captured (:meth:`capture`): :meth:`replay` runs it."""
+        return self._graph is not None
+
+    def moved(self) -> bool:
+        """Returns: whether the cache's positions differ from this decoder's host mirror (then
+        :meth:`sync_position`)."""
         cache = self.cache
         if cache.length != self._length or cache.ragged != (self._rows is not None):
             return True
@@ -211,7 +222,7 @@ class GraphDecoder:
         Returns:
             y: the layer's output, shaped as x.
         """
-        if self._moved():
+        if self.moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")
         y = self.module(x, self.cache, cu_seqlens=cu_seqlens)
         self.sync_position()
@@ -229,7 +240,7 @@ class GraphDecoder:
             raw = (cache.k_cmp_raw, cache.v_cmp_raw, cache.k_sel, cache.v_sel, cache.k_win, cache.v_win)
             P = torch.addmm(self._b_cat, x2, self._w_cat.t())
             return self._prologue(P, self._pos, self._cos, self._sin, raw, self._k_cmp_ext, self._v_cmp_ext, m)
-        q, kc, vc, ks, vs, kw, vw = torch.matmul(x2, self._w_qkv.t()).split(self._split_sizes, dim=-1)
+        q, kc, vc, ks, vs, kw, vw = torch.addmm(self._b_qkv, x2, self._w_qkv.t()).split(self._split_sizes, dim=-1)
         cos = self._cos.index_select(0, self._pos)[:, None]  # [B,1,Dk]: row b's position, every head
         sin = self._sin.index_select(0, self._pos)[:, None]
         q = apply_rope(q.view(B, HQ, Dk), cos, sin)
@@ -298,7 +309,7 @@ class GraphDecoder:
         return y
 
     def _check_room(self, n=1):
-        if self._moved():
+        if self.moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")
         if self._length + n > self.max_len:  # the longest row's
             where = "" if self._rows is None else " (the longest row)"
@@ -421,4 +432,4 @@ class GraphDecoder:
         return self._y
 
 
-__all__ = ["GraphDecoder", "tokens_read"]
+__all__ = ["DECODE_PATHS", "GraphDecoder", "tokens_read"]

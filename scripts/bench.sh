@@ -40,7 +40,7 @@ train-attn|prefill at lm=small'"'"'s attention shape per SHAPES (seq:batch, defa
 train-shapes|experiments.train needles32k, NSA and dense, each SHAPES stage alone for TRAIN_STEPS (default 60) steps; TRAIN_ARGS (e.g. train.compile=reduce-overhead); AB
 train|experiments.train train=TRAIN (default needles32k) -m attention=ATTN (default nsa,dense); TRAIN_ARGS
 train-jobs|experiments.train jobs side by side, one per line "<name> <overrides>" of the file JOBS (default scripts/train_jobs/recipe_seeds.txt), pinned to the GPUs round robin, each into $OUT/runs/<name>.db (LIMIT_S, default 540 s each); a table of them (scripts/train_summary.py) in $OUT/summary.csv
-train-sweep|experiments.train -m TRAIN (default train=text8k) attention=nsa,dense seed=SEEDS (default 0,1,2,3,4) on hydra/launcher=local_gpus, JOBS_PER_GPU (default 3) jobs sharing each GPU, one parent run in $OUT/train_sweep.db (the curves on one chart; LIMIT_S default 570 s); SWEEP_ARGS adds overrides
+train-sweep|experiments.train -m TRAIN (default train=text8k) attention=ATTN (default nsa,dense) seed=SEEDS (default 0,1,2,3,4) on hydra/launcher=local_gpus, JOBS_PER_GPU (default 3) jobs sharing each GPU, one parent run in $OUT/train_sweep.db (the curves on one chart; LIMIT_S default 570 s); SWEEP_ARGS adds overrides
 ablations|the needle ablations of train=needles_smoke side by side, ABLATIONS (default p_selection p_branches s_selection p_full_sel; also p_switches p_nsel_gates p_seed1), STEPS_N steps
 kernels|experiments.kernels op=OPS (default every op) at SEQS (default 8k..64k); KERNELS_ARGS
 parity|parity, model=h200bench backend=triton, B=1, at PARITY_SEQS (default 8192)
@@ -49,7 +49,7 @@ diag|scripts/gpu_diag.py sel, compile and varlen
 cp-parity|torchrun experiments.parity parallel.cp=NGPU (default 2) at PARITY_SEQ (default 131072) against one device
 cp-prefill|torchrun experiments.prefill parallel.cp=NGPU at CP_SEQS (default "131072 262144 524288"), one job each
 cp-one|experiments.prefill on one GPU at ONE_SEQS (default "131072 262144 524288"): the context-parallel baseline
-hf-generate|experiments.generate: a 336M-parameter transformers Llama (random init) generating GEN_TOKENS (default 64) tokens after GEN_SEQS (default 8k..64k) of context, NSA (backend=triton) and dense (SDPA), one sweep; then the NSA model'"'"'s tokens against backend=reference (float32, 256 + 32 tokens)
+hf-generate|experiments.generate: a 336M-parameter transformers Llama (random init) generating GEN_TOKENS (default 64) tokens after GEN_SEQS (default 8k..64k) of context, NSA (backend=triton) and dense (SDPA), one sweep; then the NSA model'"'"'s tokens against backend=reference (float32, 256 + 32 tokens), and the compiled tests of generate'"'"'s decode paths (tests/test_hf_gpu.py)
 cp-slurm|the SLURM per_gpu launcher from the .deb files carried in .debs: the README'"'"'s prefill sweep over SLURM_SEQS'
 
 step_names() { cut -d'|' -f1 <<<"$STEPS_TABLE"; }
@@ -267,7 +267,7 @@ step_train_jobs() {
 step_train_sweep() {
   local SUMMARY='^# '  # the sweep's summary table
   # shellcheck disable=SC2086  # TRAIN and SWEEP_ARGS hold several overrides
-  run "${LIMIT_S:-570}" train_sweep "$PWD" python3 -- -m experiments.train -m hardware="$HW" ${TRAIN:-train=text8k} attention=nsa,dense \
+  run "${LIMIT_S:-570}" train_sweep "$PWD" python3 -- -m experiments.train -m hardware="$HW" ${TRAIN:-train=text8k} attention="${ATTN:-nsa,dense}" \
     seed="${SEEDS:-0,1,2,3,4}" hydra/launcher=local_gpus hydra.launcher.jobs_per_gpu="${JOBS_PER_GPU:-3}" ${SWEEP_ARGS:-}
 }
 step_ablations() {
@@ -324,9 +324,10 @@ step_hf_generate() {
     || { echo "hf-generate: needs transformers >=5.17,<6, the [hf] extra (the wheelhouse's --hf: python scripts/wheelhouse.py --dest .whl --hf)"; return; }
   run "${T_GEN:-360}" generate "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton generate.check_tokens=false \
     generate.new_tokens="${GEN_TOKENS:-64}" -m seq="${GEN_SEQS:-8192,16384,32768,65536}" attention=nsa,dense
-  run 180 generate_check "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton attention=nsa seq=256 \
-    generate.new_tokens=32
+  run "${T_CHECK:-300}" generate_check "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton attention=nsa \
+    seq=256 generate.new_tokens=32
   $PRINT || grep -h "token check\|\] equal: " "$OUT/log.txt" | tail -n 2
+  py 200 hf_tests.txt -m pytest -q -m gpu tests/test_hf_gpu.py
 }
 step_cp_parity() {
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader

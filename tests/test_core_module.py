@@ -136,14 +136,6 @@ def test_projection_biases_reach_the_output_and_decode_equals_prefill(shared_kv)
             dict(layer.named_parameters())[name].sub_(0.5)
 
 
-def test_graph_decoder_refuses_input_projection_biases():
-    from nsa.decode import GraphDecoder
-
-    layer = small_layer("mlp", qkv_bias=True)
-    with pytest.raises(ValueError, match=r"^NSAConfig\.qkv_bias=True: GraphDecoder"):
-        GraphDecoder(layer, layer.new_cache(1, 16), backend="reference")
-
-
 def test_append_past_max_len_raises_and_leaves_the_cache_intact():
     layer = small_layer("mlp")
     B, T = 2, 20

@@ -56,6 +56,12 @@ CASES = [
 ]
 IDS = ["B1-G2-DkneDv-lsel<l-mlp-from-empty", "B3-G4-avg-after-prefill"]
 FOUR = len(CASES)
+# projection biases (NSAConfig.qkv_bias, o_bias: a converted Qwen2's or biased Llama's attention)
+CASES.append((2, 4, 2, 16, 16, 13, 9, {"qkv_bias": True, "o_bias": True},
+              {"block_c": 4, "nsc": 2, "mode": "four", "topn": "argmax"}))
+IDS.append("B2-G2-qkv-and-o-biases")
+CASES.append(CASES[-1][:-1] + ({**CASES[-1][-1], "prologue": "torch"},))
+IDS.append("B2-G2-qkv-and-o-biases-torch-prologue")
 # tuning.decode.mode: two (the top-n and the combine run in the last program of their pass); three (the
 # window beside the compressed pass, the top-n in every selected-branch program; sel_per=2 with n_sel=3:
 # one program gets one slot and an empty one; the combine in 4 programs a group, 4 value dims each); topn:

@@ -54,6 +54,9 @@ def test_the_documented_cpu_sweep_runs_nsa_and_dense_with_their_metrics(tmp_path
     # reference against reference: the same tokens, the same logits, bit for bit
     assert nsa["tokens_equal"] == 1.0 and nsa["max_logit_diff"] == 0.0 and nsa["tokens_differing"] == 0
     assert by["nsa"].data.tags["token_check"].startswith("equal: 32 greedy tokens")
+    # generate.decode=auto on a CPU: every new token through the layer's own cached forward, said on the run
+    assert by["nsa"].data.tags["decode_ran"] == "module" and "decode_ran" not in by["dense"].data.tags
+    assert "each token the layer's own cached forward" in by["nsa"].data.tags["generate_timed"]
     assert "tokens_equal" not in dense  # the check is the NSA model's
     # the cache made for prompt + new tokens (256 + 16): 2 layers, 2 key/value heads, d_k + d_v = 32, float32; the
     # three branches' raw keys/values and the compressed ones (l=16, d=8: (272 - 16) // 8 + 1 = 33)
@@ -65,6 +68,7 @@ def test_the_documented_cpu_sweep_runs_nsa_and_dense_with_their_metrics(tmp_path
     ("generate.lm.arch=gpt2", "generate.lm.arch='gpt2': one of llama, qwen2, mistral"),
     ("attention=window", "attention=window: experiments.generate runs attention=nsa or attention=dense"),
     ("generate.check_dtype=float8", "generate.check_dtype='float8': one of"),
+    ("generate.decode=cuda", "generate.decode='cuda': one of auto, graph, step, module"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key_exit_2_and_no_run(arg, says, tmp_path, template):
     rc, out, err = entrypoints.wait(entrypoints.start(tmp_path, "generate", *TINY, arg, template=template), timeout=300)

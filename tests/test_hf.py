@@ -96,7 +96,8 @@ def test_generate_with_nsa_cache_equals_recomputation(arch, monkeypatch):
     monkeypatch.setattr(hf, "_GROW", 16)
     calls = []
     append = hf.NSACacheLayer.append
-    monkeypatch.setattr(hf.NSACacheLayer, "append", lambda self, layer, x: calls.append(x.shape[1]) or append(self, layer, x))
+    monkeypatch.setattr(hf.NSACacheLayer, "append",
+                        lambda self, layer, x, *a: calls.append(x.shape[1]) or append(self, layer, x, *a))
     model = converted(arch)
     prompt, new = ids(T=40), 24
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False,

@@ -15,9 +15,17 @@ projection biases and ``rope_theta`` come from the model; NSA rotates queries an
 
 With a cache (``generate``, or ``model(ids, use_cache=True)``) each layer keeps an :class:`nsa.NSACache` in the
 transformers cache's slot for that layer (:class:`NSACacheLayer`, which grows it as tokens arrive): a prompt
-is the layer's cached prefill, every later token its cached decode step (``NSAAttention.forward(x, cache)``,
-on the backend given to :func:`convert`). Without one, the whole sequence runs as prefill. Padding is refused:
-NSA places each row's tokens at positions 0..T-1 (run rows of unequal length one at a time).
+is the layer's cached prefill (``NSAAttention.forward(x, cache)``, on the backend given to :func:`convert`), and
+every later token its cached decode step, run as ``decode`` says (:data:`DECODE`):
+
+* ``module``: the layer's own cached forward, ``NSAAttention.forward(x_t, cache)`` (the reference path);
+* ``step``: :class:`nsa.decode.GraphDecoder`'s eager step, the backend's fused decode kernels (``triton``);
+* ``graph``: the same step captured once per layer in a CUDA graph and replayed at every token (GPU);
+* ``auto`` (the default): ``graph`` on a CUDA device where the layer's backend has decode kernels, under
+  ``torch.no_grad()`` (as ``generate`` runs), else ``module``. ``NSASelfAttention.decode_ran`` says which ran last.
+
+Without a cache, the whole sequence runs as prefill. Padding is refused: NSA places each row's tokens at
+positions 0..T-1 (run rows of unequal length one at a time).
 """
 from __future__ import annotations
 
@@ -30,7 +38,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from transformers.cache_utils import CacheLayerMixin
 
+from .. import dispatch
 from ..config import NSAConfig
+from ..decode import DECODE_PATHS, GraphDecoder
 from ..module import NSAAttention, NSACache
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # config.model_type
@@ -38,6 +48,7 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")  # config.model_type
 FROM_MODEL = ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "rope_base", "qkv_bias", "o_bias")
 SETTINGS = tuple(f.name for f in fields(NSAConfig) if f.name not in FROM_MODEL)
 BUFFERS = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
+DECODE = DECODE_PATHS  # how a cached layer runs one new token (the module docstring)
 _GROW = 1024  # an NSACacheLayer's capacity grows in multiples of this many tokens
 
 
@@ -53,6 +64,7 @@ class NSACacheLayer(CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.nsa_cache: NSACache | None = None
+        self.decoder = None  # a GraphDecoder over nsa_cache (decode "step" / "graph"), made at the first token
 
     def lazy_initialization(self, key_states, value_states) -> None:
         """transformers' hook before a layer's first update: nothing (the NSA cache is made on the first append)."""
@@ -61,8 +73,9 @@ class NSACacheLayer(CacheLayerMixin):
         """transformers' dense key/value update: refused, an NSA layer appends through :meth:`append`."""
         raise RuntimeError("NSACacheLayer: an NSA layer keeps its own keys and values (NSACacheLayer.append)")
 
-    def append(self, layer: NSAAttention, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x, cache)``: x's tokens appended after those cached, the cache grown first if needed."""
+    def append(self, layer: NSAAttention, x: torch.Tensor, decode: str = "module") -> torch.Tensor:
+        """``layer(x, cache)``: x's tokens appended after those cached, the cache grown first if needed; a single
+        token after a prefill runs as ``decode`` says (:data:`DECODE`; ``auto`` resolved by the caller)."""
         old = self.nsa_cache
         n = (old.length if old is not None else 0) + x.shape[1]
         if old is None or n > old.max_len:
@@ -74,8 +87,25 @@ class NSACacheLayer(CacheLayerMixin):
                     m = Lc if name in ("k_cmp", "v_cmp") else L
                     getattr(new, name)[:, :m] = getattr(old, name)[:, :m]
                 new.length = L
-            self.nsa_cache, self.is_initialized = new, True
-        return layer(x, self.nsa_cache)
+            self.nsa_cache, self.is_initialized, self.decoder = new, True, None
+        if decode == "module" or x.shape[1] != 1 or self.nsa_cache.length == 0:
+            return layer(x, self.nsa_cache)
+        return self._step(layer, x, graph=decode == "graph")
+
+    def _step(self, layer: NSAAttention, x: torch.Tensor, graph: bool) -> torch.Tensor:
+        """One token through the layer's :class:`nsa.decode.GraphDecoder` over this cache (made, and its step
+        captured, at the first token after a prefill or a growth); positions moved by others (``crop``,
+        ``reset``, a chunk through the module) are read back first."""
+        dec = self.decoder
+        if dec is None or dec.module is not layer:
+            dec = self.decoder = GraphDecoder(layer, self.nsa_cache)
+        elif dec.moved():
+            dec.sync_position()
+        if not graph:
+            return dec.step(x)
+        if not dec.captured:
+            dec.capture()
+        return dec.replay(x).clone()
 
     def get_seq_length(self) -> int:
         """Tokens cached (0 before the first append)."""
@@ -106,6 +136,7 @@ class NSACacheLayer(CacheLayerMixin):
         c = self.nsa_cache
         if c is not None:
             self.nsa_cache = NSACache(*(fn(getattr(c, f)) for f in BUFFERS), max_len=c.max_len, length=c.length)
+            self.decoder = None  # its buffers were the old cache's
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: the cache's rows reordered by ``beam_idx``."""
@@ -144,14 +175,40 @@ def cache_layer(cache, layer_idx: int) -> NSACacheLayer:
     return slot
 
 
+def fused_decode(backend, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``backend`` (a layer's: a name or ``{branch: name}``) has fused decode kernels that run every branch
+    on ``device`` in ``dtype`` (what :class:`nsa.decode.GraphDecoder` needs)."""
+    names = set(dispatch.resolve(backend).values())
+    if len(names) != 1:
+        return False
+    try:
+        be = dispatch.get(names.pop())
+    except dispatch.BackendUnavailable:
+        return False
+    return (type(be).decode_kernels is not dispatch.Backend.decode_kernels
+            and all(be.unavailable(b, device, dtype) is None for b in dispatch.BRANCHES))
+
+
 class NSASelfAttention(nn.Module):
     """A decoder layer's ``self_attn``: transformers' call in, :class:`nsa.NSAAttention` (``.nsa``) run, with the
     layer's :class:`NSACacheLayer` when a cache is passed. Returns ``(output, None)``: no attention weights."""
 
-    def __init__(self, config: NSAConfig, layer_idx: int, *, backend="reference", fallback=None, streams=True):
+    def __init__(self, config: NSAConfig, layer_idx: int, *, backend="reference", fallback=None, streams=True,
+                 decode: str = "auto"):
         super().__init__()
-        self.layer_idx = layer_idx
+        if decode not in DECODE:
+            raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE)}")
+        self.layer_idx, self.decode = layer_idx, decode
+        self.decode_ran: str | None = None  # how the last single cached token ran (DECODE's names; None: none yet)
         self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
+
+    def decode_path(self, x: torch.Tensor) -> str:
+        """How a single cached token ``x`` runs: ``decode`` with ``auto`` resolved (the module docstring)."""
+        if self.decode != "auto":
+            return self.decode
+        if x.device.type != "cuda" or torch.is_grad_enabled():  # the decoder's step records no gradient
+            return "module"
+        return "graph" if fused_decode(self.nsa.backend, x.device, x.dtype) else "module"
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 cache=None, **kwargs):
@@ -160,7 +217,15 @@ class NSASelfAttention(nn.Module):
         kv = cache if cache is not None else past_key_values  # transformers 5.24 renamed it `cache`
         if kv is None:
             return self.nsa(hidden_states), None
-        return cache_layer(kv, self.layer_idx).append(self.nsa, hidden_states), None
+        slot = cache_layer(kv, self.layer_idx)
+        if hidden_states.shape[1] != 1 or slot.get_seq_length() == 0:
+            return slot.append(self.nsa, hidden_states), None
+        path = self.decode_path(hidden_states)
+        if path != "module" and torch.is_grad_enabled():
+            raise ValueError(f"decode={path!r}: GraphDecoder's step records no gradient; run under torch.no_grad() "
+                             "(generate does) or convert with decode='module'")
+        self.decode_ran = path
+        return slot.append(self.nsa, hidden_states, path), None
 
 
 def _model_fields(model) -> tuple[str, dict]:
@@ -230,13 +295,15 @@ def _refuse_padding_and_offsets(module, args, kwargs):
                              "(after those cached); packed sequences or other positions are not supported")
 
 
-def convert(model, *, backend="reference", fallback=None, streams=True, **settings):
+def convert(model, *, backend="reference", fallback=None, streams=True, decode="auto", **settings):
     """``model`` (a transformers Llama, Qwen2 or Mistral causal LM, or its base model) with every decoder
     layer's self-attention replaced by NSA, in place, and returned.
 
     Arguments:
         model: the transformers model; its dense weights start the NSA layers (see the module docstring).
         backend, fallback, streams: as :class:`nsa.NSAAttention`'s (``reference`` on a CPU; ``triton`` on a GPU).
+        decode: how a cached layer runs each generated token (:data:`DECODE`, the module docstring; ``auto``: a
+            CUDA graph of the fused decode kernels on a GPU backend that has them, else the layer's own forward).
         settings: NSAConfig fields other than those the model fixes (``l``, ``d``, ``l_sel``, ``n_sel``,
             ``w``, ``n_init``, ``n_local``, ``phi``, ``gate_hidden``, ``phi_hidden``, ``gate_bias``,
             ``shared_kv``, ``phi_init``); the rest at NSAConfig's defaults.
@@ -244,16 +311,18 @@ def convert(model, *, backend="reference", fallback=None, streams=True, **settin
         the same model object; ``model.config.nsa`` holds the settings, which ``save_pretrained`` writes and
         :func:`from_pretrained` reads.
     """
-    return _convert(model, settings, backend, fallback, streams, copy_weights=True)
+    return _convert(model, settings, backend, fallback, streams, decode, copy_weights=True)
 
 
-def _convert(model, settings, backend, fallback, streams=True, *, copy_weights: bool):
+def _convert(model, settings, backend, fallback, streams=True, decode="auto", *, copy_weights: bool):
+    if decode not in DECODE:
+        raise ValueError(f"convert: decode={decode!r}: one of {', '.join(DECODE)}")
     cfg = nsa_config(model, **settings)
     for i, layer in enumerate(_decoder_layers(model)):
         dense = layer.self_attn
         ref = dense.q_proj.weight
-        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback, streams=streams).to(device=ref.device,
-                                                                                              dtype=ref.dtype)
+        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback, streams=streams,
+                               decode=decode).to(device=ref.device, dtype=ref.dtype)
         if copy_weights:
             m = new.nsa
             pairs = [(m.q_proj, dense.q_proj), (m.o_proj, dense.o_proj)]
@@ -296,9 +365,10 @@ def _state_dict(path: Path) -> dict:
     return out
 
 
-def from_pretrained(path, *, backend="reference", fallback=None, streams=True):
+def from_pretrained(path, *, backend="reference", fallback=None, streams=True, decode="auto"):
     """A model saved by ``save_pretrained`` after :func:`convert`: its architecture from ``config.json``, NSA
-    with the recorded settings, every weight from its safetensors files (in their dtype), in eval mode."""
+    with the recorded settings, every weight from its safetensors files (in their dtype), in eval mode;
+    ``backend``, ``fallback``, ``streams``, ``decode``: as :func:`convert`'s."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path)
     settings = getattr(config, "nsa", None)
@@ -308,7 +378,7 @@ def from_pretrained(path, *, backend="reference", fallback=None, streams=True):
     model = AutoModelForCausalLM.from_config(config)
     if _dtype(config) is not None:
         model.to(_dtype(config))
-    _convert(model, settings, backend, fallback, streams, copy_weights=False)
+    _convert(model, settings, backend, fallback, streams, decode, copy_weights=False)
     state = _state_dict(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
