@@ -2,11 +2,12 @@
 dense's lines and draws them in two colours (experiments/framework/views.py).
 
 The store is the README card's sweep, run as written; the pages are taken by scripts/ui_screenshots.py as a
-user runs it. Needs Debian's ``chromium`` (``apt-get install -y chromium``; .ci/run installs it with the rest
-of its apt packages); skipped, saying so, where it is absent.
+user runs it. Needs Debian's ``chromium`` (``apt-get install -y chromium``; .ci/run installs it after SLURM's
+packages); skipped, saying so, where it is absent.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +37,6 @@ def _pixels(png, rgb: str, tol: int = 2) -> int:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install -y chromium)")
 def test_the_sweeps_view_names_nsa_and_dense_in_two_colours(tmp_path):
-    import re
-
     sweep = subprocess.run([sys.executable, "-m", "experiments.decode", "hardware=cpu", "-m", "seq=256,512"],
                            cwd=tmp_path, env=entrypoints.env(), capture_output=True, text=True, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
