@@ -1,9 +1,9 @@
 """The sweep's chart view in a real browser: MLflow's UI, rendered by headless Chromium, names NSA's and
 dense's lines and draws them in two colours (experiments/framework/views.py).
 
-The store is the README card's sweep, run as written; the pages are taken by scripts/ui_screenshots.py as a
-user runs it. Needs Debian's ``chromium`` (``apt-get install -y chromium``; .ci/run installs it after SLURM's
-packages); skipped, saying so, where it is absent.
+The store is the README's decode sweep (``hardware=cpu -m seq=256,512``), run as written; the pages are
+taken by scripts/ui_screenshots.py as a user runs it. Needs Debian's ``chromium`` (``apt-get install -y
+chromium``; .ci/run installs it after SLURM's packages); skipped, saying so, where it is absent.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ prints its link. The JSON carries the fields of MLflow 3.17's view that matter; 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -60,7 +61,12 @@ def write_lines(client, experiment_id: str, parent: str, data: dict[str, dict[st
             rid = client.create_run(experiment_id, start_time=now + len(labels) - rank, run_name=lab, tags={
                 PARENT_TAG: parent, COLOR_TAG: palette[lab],
                 "mlflow.note.content": f"The line {lab} of the sweep whose parent run is {parent}."}).info.run_id
-        tracking.log_series(client, rid, tracking.unlogged(client, rid, points))
+        try:
+            tracking.log_series(client, rid, tracking.unlogged(client, rid, points))
+        except BaseException:  # e.g. a full disk: no run left RUNNING where the store still takes a write
+            with contextlib.suppress(Exception):
+                client.set_terminated(rid, "FAILED")
+            raise
         client.set_terminated(rid, "FINISHED")
         out[lab] = rid
     return out
