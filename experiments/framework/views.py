@@ -5,7 +5,7 @@ MLflow's chart view (3.17) colours a chart's lines by run (the run's tag ``mlflo
 its colour picker writes, else a hash of the run id) and names them by run; one run's metrics on one
 chart share its colour and differ by dash only. So a sweep writes each line of its charts as a run of
 its own, a *line run*: named by the line's label (``nsa``, ``dense``, ``layer``, ...; where more than seq
-varies, ``nsa n_kv_heads=4``), coloured as the sweep's PNG colours it (:func:`report.colors`), holding
+varies, ``nsa <the other values>``), coloured from the PNG's palette (:func:`report.colors`), holding
 the line as metric ``<y>`` at step x (seq, or the training step), tagged ``sweep_parent`` (the parent
 run's id). Line runs live in the experiment ``<experiment>-lines`` (``nsa-decode-lines``), not beside
 the jobs: a sweep's children stay its jobs, one per job, for the sweep, its resume and every reader of
