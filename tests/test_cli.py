@@ -304,13 +304,15 @@ def test_card_command_runs_here_as_written(cli_runs):
     assert f"outputs: {sweep_dir.relative_to(tmp)}" in out
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp / 'mlflow.db'}" in out
     assert sweep.CPU_FIGURES in out  # times from a CPU are said to be what they are
-    # the sweep's own view: its rows of each column on one chart (experiments/framework/views.py)
-    view = f"#/experiments/{parent.info.experiment_id}/runs?viewStateShareKey={parent.info.run_id}"
+    # the sweep's own view: a run per row of the job's table (experiments/framework/views.py), in nsa-decode-lines
+    lines = c.get_experiment_by_name("nsa-decode-lines")
+    view = f"#/experiments/{lines.experiment_id}/runs?viewStateShareKey={parent.info.run_id}"
     assert view + "&workflowType=machine_learning&compareRunsMode=CHART" in out
-    state = json.loads(c.get_experiment(parent.info.experiment_id).tags[f"mlflow.sharedViewState.{parent.info.run_id}"])
-    p50 = next(ch for ch in state["compareRunCharts"] if ch["metricKey"].startswith("p50_ms/"))
-    assert p50["selectedMetricKeys"][:2] == ["p50_ms/nsa", "p50_ms/dense"] and set(p50["selectedMetricKeys"]) == {
-        k for k in parent.data.metrics if k.startswith("p50_ms/")}
+    state = json.loads(lines.tags[f"mlflow.sharedViewState.{parent.info.run_id}"])
+    assert state["compareRunCharts"][0]["metricKey"] == "p50_ms"
+    shown = c.search_runs([lines.experiment_id], filter_string=state["searchFilter"], order_by=["attributes.start_time DESC"])
+    assert [r.info.run_name for r in shown][:2] == ["nsa", "dense"] and {r.info.run_name for r in shown} == {
+        k.split("/", 1)[1] for k in parent.data.metrics if k.startswith("p50_ms/")}  # the parent keeps its lines
 
 
 def test_cfg_and_help_with_a_sweep(cli_runs):

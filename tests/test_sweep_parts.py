@@ -109,21 +109,43 @@ def test_placement_tells_jobs_that_shared_a_gpu_at_once():
     assert launchers.placement([_run(0, 5)], since_ms=6) == ("no job ran in this launch", {})  # an earlier launch's
 
 
-def test_the_sweeps_view_puts_every_row_of_a_column_on_one_chart():
-    """views.sweep_view: one line chart per column with its rows' metrics (nsa, then dense), the parent the
-    only run shown, within the 20,000 characters of an experiment tag with 200 runs hidden."""
+def test_the_sweeps_view_is_one_run_per_line_named_and_coloured_by_it(tmp_path):
+    """views.publish: each line (nsa, dense, layer, ...) a FINISHED run of <experiment>-lines named by its label,
+    in colours that differ (MLflow's chart view colours and names lines by run), holding the line as metric <y>
+    at step x; the view: one line chart per column over the search that finds exactly this sweep's line runs. A
+    resumed sweep's second publish reuses the runs and logs only the points they lack."""
     from experiments.framework import views
 
-    metrics = ["p50_ms/cmp", "p50_ms/dense", "p50_ms/nsa", "speedup_vs_dense_x/nsa", "jobs", "sweep_wall_s"]
-    hide = ["p"] + [f"{i:032x}" for i in range(views.HIDE_MAX)]
-    state = views.sweep_view("p", metrics, ("p50_ms", "speedup_vs_dense_x", "absent"), "seq_tokens", hide)
-    charts = state["compareRunCharts"]
-    assert [c["selectedMetricKeys"] for c in charts] == [["p50_ms/nsa", "p50_ms/dense", "p50_ms/cmp"],
-                                                         ["speedup_vs_dense_x/nsa"]]
-    assert {c["type"] for c in charts} == {"LINE"} and {c["xAxisKey"] for c in charts} == {"step"}
+    store = tracking.connect(OmegaConf.create({"uri": f"sqlite:///{tmp_path / 'mlflow.db'}"}), "decode", tmp_path)
+    parent = tracking.start_run(store, "decode sweep", None, {"sweep": "parent"})
+    other = tracking.start_run(store, "decode sweep", None, {"sweep": "parent"})
+    data = {"p50_ms": {"cmp": [(256, 0.4)], "dense": [(256, 0.02), (512, 0.03)], "nsa": [(256, 1.0), (512, 1.1)],
+                       "layer": [(256, 1.5)]},
+            "speedup_vs_dense_x": {"nsa": [(256, 0.02)]}, "absent": {}}
+    views.publish(store, other, {"p50_ms": {"nsa": [(256, 9.0)]}}, "seq_tokens")  # another sweep's line
+    page = views.publish(store, parent, data, "seq_tokens")
+    lines = store.client.get_experiment_by_name("nsa-decode-lines")
+    assert page == views.link(lines.experiment_id, parent)
+    assert lines.tags["mlflow.experimentKind"] == "custom_model_development"
+    state = json.loads(lines.tags[f"mlflow.sharedViewState.{parent}"])
+    runs = store.client.search_runs([lines.experiment_id], filter_string=state["searchFilter"],
+                                    order_by=["attributes.start_time DESC"])
+    assert [r.info.run_name for r in runs] == ["nsa", "dense", "layer", "cmp"]  # the table's order: newest first
+    assert all(r.info.status == "FINISHED" and r.data.tags["sweep_parent"] == parent for r in runs)
+    colours = [r.data.tags["mlflow.runColor"] for r in runs]
+    assert colours[:2] == ["#1f77b4", "#ff7f0e"] and len(set(colours)) == 4  # nsa blue, dense orange, all differ
+    nsa = runs[0].info.run_id
+    assert [(m.step, m.value) for m in store.client.get_metric_history(nsa, "p50_ms")] == [(256, 1.0), (512, 1.1)]
+    assert [c["metricKey"] for c in state["compareRunCharts"]] == ["p50_ms", "speedup_vs_dense_x"]
+    assert all(c["type"] == "LINE" and c["selectedMetricKeys"] == [c["metricKey"]] and c["xAxisKey"] == "step"
+               for c in state["compareRunCharts"])
     (section,) = state["compareRunSections"]
-    assert all(c["metricSectionId"] == section["uuid"] for c in charts)
-    assert "p" not in state["runsHidden"] and len(state["runsHidden"]) == views.HIDE_MAX
-    assert len(json.dumps(state, separators=(",", ":"))) < 20000
-    assert views.sweep_view("p", ["jobs"], ("p50_ms",), "seq_tokens", [])["compareRunCharts"] == []
+    assert all(c["metricSectionId"] == section["uuid"] for c in state["compareRunCharts"])
+    assert state["runsHiddenMode"] == "SHOW_ALL"
+    data["p50_ms"]["nsa"].append((1024, 1.3))  # resumed: one more point
+    views.publish(store, parent, data, "seq_tokens")
+    again = store.client.search_runs([lines.experiment_id], filter_string=state["searchFilter"])
+    assert sorted(r.info.run_id for r in again) == sorted(r.info.run_id for r in runs)
+    assert [m.step for m in store.client.get_metric_history(nsa, "p50_ms")] == [256, 512, 1024]
+    assert views.publish(store, parent, {"p50_ms": {}}, "seq_tokens") is None  # no line: no view
     assert views.link("3", "k") == "#/experiments/3/runs?viewStateShareKey=k&workflowType=machine_learning&compareRunsMode=CHART"

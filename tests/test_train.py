@@ -175,6 +175,11 @@ def test_smoke_sweep_parent_shows_both_curves(runs):
         loss = [v for _, v in _curve(c, r.info.run_id)]
         assert len(loss) == STEPS and sum(loss[-5:]) < sum(loss[:5]) - 10, kind
     assert "gate_sel" in kids["nsa"].data.metrics and "gate_sel" not in kids["dense"].data.metrics
+    lines = c.get_experiment_by_name("nsa-train-lines")  # the sweep's view: a run per variant (views.py)
+    shown = {r.info.run_name: r.info.run_id for r in c.search_runs(
+        [lines.experiment_id], filter_string=f"tags.sweep_parent = '{parent.info.run_id}'")}
+    assert set(shown) == {"nsa", "dense"} and all(_curve(c, shown[k], "val_accuracy") == _curve(
+        c, r.info.run_id, "val_accuracy") for k, r in kids.items())
     assert {"train_by_step.png", "train_sweep.csv", "summary.txt"} <= {a.path for a in c.list_artifacts(parent.info.run_id)}
     header = next(ln for ln in out.splitlines() if ln.startswith("#  "))
     assert header.split()[:3] == ["#", "attention", "status"] and "final_loss" in header and "tokens_per_s" in header

@@ -114,11 +114,30 @@ def metric_name(y: str, label: str) -> str:
 
 
 MARKERS = "os^Dv<>PX*"
+# matplotlib's default colours C0-C9: a sweep over seq alone colours a variant alike in its PNG and its MLflow view
+TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
 def _natural(label: str) -> list:
     """Sort key: digit runs as numbers ("n_kv_heads=4" before "n_kv_heads=16")."""
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", label)]
+
+
+FIRST = ("nsa", "dense", "layer")  # the lines a reader compares first: listed first, the first colours
+
+
+def line_order(labels) -> list[str]:
+    """Lines' labels, those whose first word is nsa, dense, layer first, then the others in natural order."""
+    def key(label: str) -> tuple:
+        head = label.split(" ", 1)[0]
+        return (FIRST.index(head) if head in FIRST else len(FIRST), _natural(label))
+
+    return sorted(set(labels), key=key)
+
+
+def colors(names) -> dict[str, str]:
+    """A colour per name (a line's label or variant), TAB10's in :func:`line_order` (nsa blue, dense orange)."""
+    return {n: TAB10[i % len(TAB10)] for i, n in enumerate(line_order(names))}
 
 
 def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path, title: str, log: bool = True) -> None:
@@ -137,14 +156,14 @@ def plot(data: dict[str, dict[str, list[tuple[int, float]]]], x: str, path: Path
     labels = sorted({lab for ls in data.values() for lab in ls}, key=_natural)
     series = list(dict.fromkeys(lab.split(" ", 1)[0] for lab in labels))
     rest = list(dict.fromkeys(lab.partition(" ")[2] for lab in labels))
-    colors = [f"C{i % 10}" for i in range(len(series))]
+    palette = colors(series)
     for i, (y, ls) in enumerate(data.items(), 1):
         ax = fig.add_subplot(rows, cols, i)
         for label in sorted(ls, key=_natural):
             pts, (first, _, other) = ls[label], label.partition(" ")
             marker = MARKERS[rest.index(other) % len(MARKERS)] if log or len(pts) <= 20 else None
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if label.startswith("dense") else "-",
-                    color=colors[series.index(first)], marker=marker, label=label)
+                    color=palette[first], marker=marker, label=label)
         if log:
             ax.set_xscale("log", base=2)
         if log and all(p[1] > 0 for pts in ls.values() for p in pts):

@@ -425,12 +425,6 @@ def _curves(store, jobs: list[list[str]], runs: list, keys: list[str], ys) -> di
     return out
 
 
-def _new_points(client, parent: str, series: list[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
-    """The points the parent does not hold yet (a resumed sweep logged the others at its first end)."""
-    have = {(k, m.value, m.step) for k in {k for k, _, _ in series} for m in client.get_metric_history(parent, k)}
-    return [p for p in series if p not in have]
-
-
 def _table(jobs: list[list[str]], runs: list, keys: list[str]) -> str:
     """The summary: per job the values that vary, status, headline metrics, run id."""
     heads = sorted({k for r in runs if r for k in r.data.metrics if k.startswith(HEADLINE)})
@@ -505,11 +499,9 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
         stored(tracking.log_batch, store.client, parent, {
             "jobs": len(jobs), "jobs_failed": len(bad), "sweep_wall_s": wall,
             "framework_overhead_mean_s": mean_ov, "framework_overhead_max_s": max_ov, **placed})
-        stored(lambda: tracking.log_series(store.client, parent, _new_points(store.client, parent, series)))
-        names = sorted({name for name, _, _ in series})
-        if names:  # the view that draws every row of a column on one chart (NSA against dense)
-            stored(lambda: view.append(views.share(store.client, store.experiment_id, parent, names, charts.ys,
-                                                   "step" if by_step else charts.x)))
+        stored(lambda: tracking.log_series(store.client, parent, tracking.unlogged(store.client, parent, series)))
+        if series:  # the view that draws every row of a column on one chart, a run (colour, name) per line
+            stored(lambda: view.append(views.publish(store, parent, data, "step" if by_step else charts.x)))
         for a in artifacts:
             stored(store.client.log_artifact, parent, str(a))
     finally:
@@ -525,8 +517,8 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     say(f"[{entry}] sweep {status}: {len(jobs)} jobs, {len(bad)} failed, {wall:.1f} s; Hydra+MLflow overhead per "
         f"job mean {mean_ov:.2f} s, max {max_ov:.2f} s; parent run {parent}")
     say(f"[{entry}] {where}")
-    key = next((k for k in view if k), None)
-    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(views.link(store.experiment_id, key) if key else None)}")
+    page = next((p for p in view if p), None)
+    print(f"{text}\noutputs: {sweep_dir}\nMLflow:  {store.ui_hint(page)}")
     if entry in TIME_FIGURES and any(r is not None and r.data.tags.get("device_type") == "cpu" for r in runs):
         print(CPU_FIGURES)
     if status == "FAILED":

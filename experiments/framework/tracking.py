@@ -66,6 +66,7 @@ class Store:
     client: Any                  # mlflow.MlflowClient
     experiment_id: str
     experiment: str
+    artifact_root: str | None = None  # tracking.artifact_root: where a new experiment's artifacts go
 
     def describe(self) -> str:
         return f"{self.uri} ({self.origin}), experiment {self.experiment}"
@@ -282,8 +283,14 @@ def connect(t: DictConfig, entry: str, launch_dir: Path) -> Store:
                 eid = _experiment(client, uri, name, t.get("artifact_root"))
         except (MlflowException, OSError) as e:
             raise StoreUnavailable(f"tracking store {uri}: {_cause(e)}") from e
-        _STORES[(uri, name)] = Store(uri, origin, client, eid, name)
+        _STORES[(uri, name)] = Store(uri, origin, client, eid, name, t.get("artifact_root"))
     return _STORES[(uri, name)]
+
+
+def sibling(store: Store, name: str) -> str:
+    """The id of experiment ``name`` in ``store``'s store, created like ``store``'s own (kind tag, artifact
+    root) if missing; MLflow's errors propagate (the caller reports them, e.g. through :func:`writing`)."""
+    return _experiment(store.client, store.uri, name, store.artifact_root)  # the schema exists: no lock
 
 
 def artifact_folder(name: str) -> str:
@@ -412,6 +419,12 @@ def log_series(client, rid: str, points: list[tuple[str, float, int]]) -> None:
     ms = [Metric(k, float(v), now, int(step)) for k, v, step in points]
     for i in range(0, len(ms), 1000):  # MLflow's limit: 1000 metrics per call
         client.log_batch(rid, metrics=ms[i:i + 1000])
+
+
+def unlogged(client, rid: str, points: list[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """The (key, value, step) points run ``rid`` does not hold yet (a resumed sweep logged the others)."""
+    have = {(k, m.value, m.step) for k in {k for k, _, _ in points} for m in client.get_metric_history(rid, k)}
+    return [p for p in points if p not in have]
 
 
 # ================================================================================================
