@@ -36,6 +36,8 @@ from nsa.backends.triton import tuning
 from . import peers
 from .framework import Charts, Job, Result, check_memory, launch, run_job
 from .framework.config import tuning_overrides
+from .lm.selections import tile_sharing
+from .measure import replay
 from .measure.branches import core, selection_indices
 from .measure.dense import dense_attention, math_path
 from .measure.inputs import layer_bytes, prefill_inputs
@@ -44,6 +46,23 @@ from .measure.tokens import block_union_fraction, branch_tokens, selected_tokens
 
 BWD_FACTOR = 3.5
 log = logging.getLogger("experiments.prefill")
+
+
+def check_config(job: Job) -> None:
+    """prefill's rules beyond ``config.RULES``: ``prefill.indices`` is ``random`` or a selections file that holds
+    this seq at the model's blocks (``measure.replay.load``); the peers select their own blocks, so a replay
+    times none."""
+    p = job.cfg.prefill
+    if not isinstance(p.indices, str) or not p.indices:
+        raise ValueError(f"prefill.indices={p.indices!r}: 'random' or the path of a selections file "
+                         "(train.save_selections)")
+    if p.indices != replay.RANDOM:
+        if job.cp is not None or int(job.cfg.parallel.cp) > 1:
+            raise ValueError(f"prefill.indices={p.indices!r}: not with parallel.cp > 1 (each rank selects its own)")
+        if len(p.peers):
+            raise ValueError(f"prefill.indices={p.indices!r}: the peers ({', '.join(p.peers)}) select their own "
+                             "blocks; time them with prefill.indices=random (prefill.peers=[] here)")
+        replay.load(p.indices, job.seq, job.nsa)
 
 
 def estimate_bytes(job: Job) -> float:
@@ -183,12 +202,19 @@ def _work(job: Job) -> Result:
         inp = prefill_inputs(layer, torch.randn(B, S, c.dim, device=dev, dtype=dt))
     for name, t in inp.tensors().items():
         setattr(inp, name, t.detach().requires_grad_(True))
-    with torch.no_grad():
-        idx = selection_indices(inp, c, job.plan, job.fallback)
+    given, tags = None, {"indices": str(p.indices)}
+    if p.indices == replay.RANDOM:
+        with torch.no_grad():
+            idx = selection_indices(inp, c, job.plan, job.fallback)
+    else:  # a trained model's selections: the selected branch reads those blocks (the top-n is not run)
+        trained, tags["indices_note"] = replay.load(str(p.indices), S, c)
+        idx = given = trained.to(dev, torch.int64)[None].expand(B, -1, -1, -1).contiguous()
+        log.info(f"[prefill] seq={S}: the selected branch reads {tags['indices_note']}")
     t_pos = torch.arange(S, device=dev)[None, :, None]
     parts = branch_tokens(c, t_pos, selected_tokens(idx, c, 0))
-    dense, tags = dense_variants(p.dense_flash, c, dev.type)
-    for note in tags.values():
+    dense, dense_tags = dense_variants(p.dense_flash, c, dev.type)
+    tags.update(dense_tags)
+    for note in dense_tags.values():
         log.info(f"[prefill] seq={S}: {note}")
     peer = peers.rows(p.peers, inp, c, dev, tags)
     timed = ["nsa"] + (["cmp", "sel", "win"] if branch == "none" and p.per_branch else []) + dense + list(peer)
@@ -200,7 +226,8 @@ def _work(job: Job) -> Result:
                                            kernel="flash" if v == "dense_flash" else "auto")
         if v in peer:
             return peer[v].fn()
-        return core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams)
+        return core(branch if v == "nsa" else v, inp, c, job.plan, job.fallback, job.cfg.streams,
+                    block_indices=given)
 
     times, rows, texts = {}, [], {}
     for i, v in enumerate(timed, 1):
@@ -262,6 +289,7 @@ def _work(job: Job) -> Result:
     # block sharing among neighbouring queries of this layer's own top-n (what a tile of m query rows that
     # loads each block once would save: docs/experiments.md)
     metrics = {f"sel_block_union_frac_m{m}": block_union_fraction(idx, m) for m in SHARING_TILES}
+    metrics["sel_share_m64"] = tile_sharing(idx, min(64, S))  # as train.save_selections' sel_share_T<T>
     return Result(rows, metrics, headline=headline, charts=charts, tags=tags, texts=texts)
 
 
