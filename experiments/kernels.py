@@ -33,7 +33,20 @@ from nsa.backends.triton import tuning
 from . import ops
 from .framework import Job, Result, launch, run_job
 from .framework.config import tuning_overrides
+from .measure import replay
 from .ops.bench import Bench
+
+
+def check_config(job: Job) -> None:
+    """kernels' rules beyond ``config.RULES``: ``kernels.indices`` is ``random`` or, for op=selection, a selections
+    file that holds this seq at the model's blocks (``measure.replay.load``)."""
+    src = job.cfg.kernels.indices
+    if not isinstance(src, str) or not src:
+        raise ValueError(f"kernels.indices={src!r}: 'random' or the path of a selections file (train.save_selections)")
+    if src != replay.RANDOM:
+        if job.cfg.op.name != "selection":
+            raise ValueError(f"kernels.indices={src!r}: only op=selection reads block indices (op={job.cfg.op.name})")
+        replay.load(src, job.seq, job.nsa, "kernels.indices")
 
 
 def work(job: Job) -> Result:

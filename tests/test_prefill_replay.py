@@ -111,3 +111,24 @@ def test_the_replayed_blocks_are_what_the_selected_branch_reads(tmp_path):
         want_sel = functional.selected_attention(inp.q, inp.k_sel, inp.v_sel, given, cfg)
     assert torch.equal(got, want) and torch.equal(sel, want_sel)
     assert (got - own).abs().max().item() > 1e-3  # the layer's own top-n reads other blocks
+
+
+def test_kernels_op_selection_replays_and_checks_the_saved_blocks(tmp_path, template):
+    """op=selection on a trained layer's blocks: the kernel is checked against the reference on them (the first
+    check_seq queries) and timed at seq; another op refuses the option in one line."""
+    saved = save(tmp_path / "layer.pt")
+    args = ["hardware=cpu", "model=tiny", "op=selection", "seq=128", "kernels.check_seq=64", "kernels.cpu_repeats=1",
+            "kernels.backward=false", f"kernels.indices={tmp_path / 'layer.pt'}"]
+    rc, _, err = entrypoints.wait(entrypoints.start(tmp_path, "kernels", *args, template=template,
+                                                    extra_env={"TRITON_INTERPRET": "1"}), timeout=600)
+    assert rc == 0, err[-3000:]
+    (run,) = entrypoints.runs(tmp_path / "mlflow.db", "kernels")[1]
+    assert run.info.status == "FINISHED" and run.data.tags["indices"] == str(tmp_path / "layer.pt")
+    assert "repeated x2" in run.data.tags["indices_note"]
+    want = selections.tile_sharing(saved["T128"][None].repeat(1, 1, 2, 1).long(), 64)
+    assert run.data.metrics["sel_share_m64"] == pytest.approx(want, rel=1e-6)
+    rc, _, err = entrypoints.wait(entrypoints.start(tmp_path, "kernels", *args, "op=window", name="w",
+                                                    template=template, extra_env={"TRITON_INTERPRET": "1"}))
+    lines = entrypoints.one_line(err)
+    assert rc == 2 and len(lines) == 1 and "only op=selection reads block indices (op=window)" in lines[0], err
+    assert len(entrypoints.runs(tmp_path / "mlflow.db", "kernels")[1]) == 1

@@ -34,7 +34,8 @@ ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train", "gener
 # Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
 # with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
 ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config",
-                "generate": "experiments.generate:check_config", "prefill": "experiments.prefill:check_config"}
+                "generate": "experiments.generate:check_config", "prefill": "experiments.prefill:check_config",
+                "kernels": "experiments.kernels:check_config"}
 # Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
 # nothing meaningful on a CPU, so these refuse one there (check_timed_device).
 TIMED = ("decode", "prefill", "kernels", "train", "generate")

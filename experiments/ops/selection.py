@@ -2,8 +2,9 @@
 
 Inputs: q ``[B,T,HQ,Dk]``, k/v ``[B,T,H,D]`` (standard normal) and random valid block indices: the
 reference top-n (``reference.select_blocks``: the n_init first and n_local newest blocks forced) of
-uniform random scores. Row ``triton``: forward and forward+backward; FLOPs over the tokens u <= t of
-the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
+uniform random scores; with ``kernels.indices=<file>`` a trained layer's selections instead
+(``measure.replay``; tags ``indices``, ``indices_note``; metric ``sel_share_m64``). Row ``triton``: forward
+and forward+backward; FLOPs over the tokens u <= t of the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
 block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16, in row chunks at long T).
 
 Row ``gather_floor`` (forward only): the query-outer forward's key/value loads alone
@@ -21,6 +22,8 @@ from nsa.backends.triton.selection import selected_attention
 from nsa.backends.triton.utils import poisoned_outputs
 
 from .. import peers
+from ..lm.selections import tile_sharing
+from ..measure import replay
 from ..measure.tokens import selected_tokens
 from . import selection_floor
 from .bench import Bench, backward_of, leaves
@@ -37,13 +40,23 @@ def random_indices(b: Bench, T: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
+def block_indices(b: Bench, T: int) -> torch.Tensor:
+    """``[B,T,H,k]`` int32: ``random_indices``, or with ``kernels.indices=<file>`` a trained layer's selections at
+    ``seq`` (``measure.replay``), their first T queries (the check's shorter sequence reads the same blocks)."""
+    b.tags["indices"] = str(b.k.indices)
+    if b.k.indices == replay.RANDOM:
+        return random_indices(b, T)
+    idx, b.tags["indices_note"] = replay.load(str(b.k.indices), b.T, b.c, "kernels.indices")
+    return idx[:T].to(b.dev)[None].expand(b.B, -1, -1, -1).contiguous()
+
+
 def inputs(b: Bench, T: int):
     c = b.c
     q = b.randn(b.B, T, c.n_heads, c.d_k)
     k = b.randn(b.B, T, c.n_kv_heads, c.d_k)
     v = b.randn(b.B, T, c.n_kv_heads, c.d_v)
     do = b.randn(b.B, T, c.n_heads, c.d_v)
-    return q, k, v, do, random_indices(b, T)
+    return q, k, v, do, block_indices(b, T)
 
 
 def flash_nsa(b: Bench, T: int, record: bool = True):
@@ -86,6 +99,7 @@ def timed(b: Bench) -> None:
     q, k, v, do, idx = inputs(b, b.T)
     c = b.c
     tokens = float(selected_tokens(idx, c, 0).sum())  # per query and group
+    b.metrics["sel_share_m64"] = tile_sharing(idx, min(64, b.T))  # what neighbouring queries share (lm.selections)
     flop = 2.0 * (c.d_k + c.d_v) * c.G * tokens
     xs = leaves(q, k, v)
     fn = lambda: selected_attention(q, k, v, idx, c)
