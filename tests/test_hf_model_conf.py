@@ -38,11 +38,16 @@ def folders(tmp_path_factory):
     converted = hf.convert(transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)), **SAVED)
     converted.save_pretrained(root / "converted")
     (root / "empty").mkdir()
+    scaled = dict(LLAMA, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    bogus = transformers.LlamaConfig(**LLAMA)
+    bogus.nsa = {"l": 8, "bogus": 1}  # a hand-edited nsa
+    bogus.save_pretrained(root / "bogus")
     return {"qwen2": save_config(root / "qwen2", transformers.Qwen2Config, **QWEN2),
             "llama": save_config(root / "llama", transformers.LlamaConfig, **LLAMA),
             "converted": root / "converted",
             "gpt2": save_config(root / "gpt2", transformers.GPT2Config, n_embd=64, n_layer=1, n_head=2),
-            "empty": root / "empty", "missing": root / "nope"}
+            "empty": root / "empty", "missing": root / "nope", "bogus": root / "bogus",
+            "scaled": save_config(root / "scaled", transformers.LlamaConfig, **scaled)}
 
 
 def documented() -> list[str]:
@@ -62,6 +67,8 @@ ERRORS = {  # name: (entry, the folder or None for the shim's case, the texts of
     "missing": ("decode", "missing", ["no such folder"]),
     "empty": ("prefill", "empty", ["no config.json in"]),
     "gpt2": ("decode", "gpt2", ["architecture 'gpt2' is not supported; supported: llama, qwen2, mistral"]),
+    "scaled": ("decode", "scaled", ["rope_type='linear'", "plain RoPE", "(NSA settings from model.nsa)"]),
+    "bogus": ("prefill", "bogus", ["unknown NSA setting 'bogus'", "(NSA settings from config.json's nsa)"]),
     "no_transformers": ("decode", "qwen2", ["needs transformers, the [hf] extra"]),
     "generate": ("generate", "qwen2", ["experiments.generate does not take it"]),
 }

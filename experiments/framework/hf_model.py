@@ -72,7 +72,7 @@ def nsa_config(cfg: DictConfig, entry: str) -> nsa.NSAConfig:
         ncfg = hf.nsa_config(model, **settings)
     except (ValueError, TypeError) as e:
         src = "config.json's nsa" if saved is not None else "model.nsa"
-        raise ConfigError(f"{where}: {_one_line(e)} (settings from {src})") from e
+        raise ConfigError(f"{where}: {_one_line(e).removeprefix('convert: ')} (NSA settings from {src})") from e
     got = ncfg.to_dict()
     if got["gate_bias"] is not None:
         got["gate_bias"] = list(got["gate_bias"])
