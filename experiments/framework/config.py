@@ -308,7 +308,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None
     cfg = _resolved(cfg, entry)
     seq = cfg.seq
     profile, note, dev, device, dname = _hardware(cfg, here)
-    ncfg = _model(cfg)
+    ncfg = _model(cfg, entry)
     # Branch forcing
     branch = cfg.branch_force.name if "branch_force" in cfg else "none"
     if branch not in ("none", *BRANCHES):
@@ -379,11 +379,16 @@ def _hardware(cfg: DictConfig, here: bool):
     return profile, note, dev, device, dname
 
 
-def _model(cfg: DictConfig) -> nsa.NSAConfig | None:
-    """The layer's config from ``model.nsa``; None for an entry point without one (train names its model
+def _model(cfg: DictConfig, entry: str) -> nsa.NSAConfig | None:
+    """The layer's config from ``model.nsa``, or from a transformers model's folder where ``model.hf_path`` names
+    one (experiments/framework/hf_model.py); None for an entry point without one (train names its model
     elsewhere)."""
     if "model" not in cfg:
         return None
+    if cfg.model.get("hf_path") is not None:
+        from . import hf_model
+
+        return hf_model.nsa_config(cfg, entry)
     try:
         ncfg = nsa.NSAConfig(**OmegaConf.to_container(cfg.model.nsa, resolve=True))
     except TypeError as e:
