@@ -3,9 +3,10 @@
 Inputs: q ``[B,T,HQ,Dk]``, k/v ``[B,T,H,D]`` (standard normal) and random valid block indices: the
 reference top-n (``reference.select_blocks``: the n_init first and n_local newest blocks forced) of
 uniform random scores; with ``kernels.indices=<file>`` a trained layer's selections instead
-(``measure.replay``; tags ``indices``, ``indices_note``; metric ``sel_share_m64``). Row ``triton``: forward
-and forward+backward; FLOPs over the tokens u <= t of the selected blocks, 2 (Dk + Dv) per query head and token. The kernel family (query-outer or
-block-outer) is ``tuning.selection.mode`` (auto: block-outer for G < 16, in row chunks at long T).
+(``measure.replay``; tags ``indices``, ``indices_note``; metric ``sel_share_m64``). Row ``triton``:
+forward and forward+backward; FLOPs over the tokens u <= t of the selected blocks, 2 (Dk + Dv) per
+query head and token. The kernel family (query-outer or block-outer) is ``tuning.selection.mode``
+(auto: block-outer for G < 16, in row chunks at long T).
 
 Row ``gather_floor`` (forward only): the query-outer forward's key/value loads alone
 (``selection_floor``), with the bytes they move: that design's memory bound on this card, whichever
