@@ -76,8 +76,8 @@ READ_METRICS = ("kv_tokens_read_per_step_per_group", "kv_bytes_read_per_step", "
 
 
 def check_config(job: Job) -> None:
-    """decode's own rules beyond ``config.RULES`` (``config.prepare`` runs this, ``config.ENTRY_CHECKS``: a
-    ValueError is a config error, one line, exit 2, before any run)."""
+    """decode's own rules beyond ``config.RULES`` (``run_job`` and ``launch`` take it as ``check``: a ValueError is
+    a config error, one line, exit 2, before any run)."""
     if job.cfg.decode.ragged and job.seq < 2:
         raise ValueError(f"decode.ragged=true: seq={job.seq} must be >= 2 (each sequence's length is drawn in "
                          "[seq/2, seq], and seq/2 must be >= 1)")
@@ -419,8 +419,8 @@ def _row(job: Job, v: str, times: dict, parts: dict, peer: dict, L: torch.Tensor
 
 @hydra.main(config_path="../conf", config_name="decode", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "decode", work, fits=check_fits)
+    run_job(cfg, "decode", work, fits=check_fits, check=check_config)
 
 
 if __name__ == "__main__":
-    launch(main, "decode")
+    launch(main, "decode", check=check_config)

@@ -48,7 +48,8 @@ DECODE_SAYS = {"graph": "one CUDA graph of the fused decode step per layer (Grap
 
 
 def check_config(job: Job) -> None:
-    """generate's rules (``config.ENTRY_CHECKS``: a ValueError is a config error, one line, exit 2, no run)."""
+    """generate's rules (``run_job``'s and ``launch``'s ``check``: a ValueError is a config error, one line, exit 2,
+    no run)."""
     g, c = job.cfg.generate, job.nsa
     kind = job.cfg.attention.kind
     if kind not in KINDS:
@@ -286,8 +287,8 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "generate", work, fits=check_fits)
+    run_job(cfg, "generate", work, fits=check_fits, check=check_config)
 
 
 if __name__ == "__main__":
-    launch(main, "generate")
+    launch(main, "generate", check=check_config)

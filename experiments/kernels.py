@@ -68,8 +68,8 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="kernels", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "kernels", work)
+    run_job(cfg, "kernels", work, check=check_config)
 
 
 if __name__ == "__main__":
-    launch(main, "kernels")
+    launch(main, "kernels", check=check_config)

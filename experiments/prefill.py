@@ -295,8 +295,8 @@ def _work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="prefill", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "prefill", work, fits=check_fits)
+    run_job(cfg, "prefill", work, fits=check_fits, check=check_config)
 
 
 if __name__ == "__main__":
-    launch(main, "prefill")
+    launch(main, "prefill", check=check_config)

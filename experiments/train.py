@@ -53,7 +53,7 @@ CURVES = ("loss", "accuracy", "val_loss", "val_accuracy", "tokens_per_s")
 def run_config(job: Job) -> RunConfig:
     """The training library's config of a job: the composed config with what the framework resolved
     (the hardware policy's backends, fallback, the profile's dtype). A ValueError names the field
-    (``prepare`` runs this as train's own check: a config error, exit 2, before any run)."""
+    (train's own ``check``, given to ``run_job`` and ``launch``: a config error, exit 2, before any run)."""
     for key in ("model", "branch_force"):
         if key in job.cfg:
             raise ValueError(f"{key}: not an option of experiments.train (its model: lm=..., attention=...)")
@@ -171,8 +171,8 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "train", work, resume=earlier_run)
+    run_job(cfg, "train", work, resume=earlier_run, check=run_config)
 
 
 if __name__ == "__main__":
-    launch(main, "train")
+    launch(main, "train", check=run_config)

@@ -242,6 +242,7 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
+@assume_constant_result  # traced, it would read the registry before a backend registers (choose_plan)
 def resolve(backend: str | Mapping[str, str]) -> dict[str, str]:
     """Normalize a backend argument to ``{branch: name}`` and check every name exists."""
     if isinstance(backend, str):
@@ -298,7 +299,21 @@ def choose(branch: str, name: str, device: torch.device, dtype: torch.dtype, fal
            varlen: bool = False) -> Backend:
     """The backend that will run ``branch`` (on packed documents where ``varlen``); raises or falls back
     (loudly) if ``name`` can't."""
-    return _REGISTRY[_choose(branch, name, device, dtype, fallback, varlen)]
+    chosen = _choose(branch, name, device, dtype, fallback, varlen)  # registers it on first use: read after
+    return _REGISTRY[chosen]
+
+
+def choose_plan(plan: Mapping[str, str], device: torch.device, dtype: torch.dtype, fallback: str | None, *,
+                varlen: bool = False) -> dict[str, Backend]:
+    """:func:`choose` for every branch of ``plan`` (``{branch: name}``, :func:`resolve`'s), all chosen before the
+    registry is read: torch.compile keeps the registry as it first read it in a trace, and a backend that
+    registers on first use does so while the call is traced (``_choose``).
+
+    Returns:
+        ``{branch: Backend}``.
+    """
+    chosen = {b: _choose(b, plan[b], device, dtype, fallback, varlen) for b in BRANCHES}
+    return {b: _REGISTRY[n] for b, n in chosen.items()}
 
 
 # torch.compile runs these two when it traces (assume_constant_result: their results are constants of the

@@ -394,7 +394,7 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     dev, dt = q.device, q.dtype
     dispatch.count_call()
 
-    backends = {b: dispatch.choose(b, plan[b], dev, dt, fallback, varlen=docs is not None) for b in dispatch.BRANCHES}
+    backends = dispatch.choose_plan(plan, dev, dt, fallback, varlen=docs is not None)
     o, idx = gated_branches(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, backends, scale=sc,
                             q_start=q_start, streams=streams, indices=block_indices, varlen=docs)
     return (o, idx if block_indices is None else block_indices) if return_indices else o

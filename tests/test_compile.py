@@ -124,6 +124,23 @@ def test_triton_layer_compiles_fullgraph_without_grad():
         torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x), **EXACT)
 
 
+@needs_triton
+@pytest.mark.parametrize("plan", ["triton", {"cmp": "triton", "sel": "triton", "win": "sdpa"}], ids=["triton", "mixed"])
+def test_a_backend_first_used_under_compile_registers_in_the_trace(plan, monkeypatch):
+    """A process whose first call of the lazily registered backends is compiled (no eager call before, as in a
+    fresh process): they register while the call is traced, and the graph finds them (it read the registry
+    after they registered, not before)."""
+    monkeypatch.setattr(dispatch, "_REGISTRY", {"reference": dispatch.get("reference")})  # none registered yet
+    m = _layer(plan)
+    x = torch.randn(B, T, CFG.dim, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        y = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
+    assert set(dispatch._REGISTRY) == {"reference", *dispatch.resolve(plan).values()}
+    with torch.no_grad():
+        torch.testing.assert_close(y, m(x), **EXACT)
+
+
 def _op_cases():
     """(name, op, args) of every triton custom op at a small shape (B=1, T=20, G=2), from a real forward."""
     from nsa.backends.triton import attention_bwd, compressed, gate, selection, tuning, window

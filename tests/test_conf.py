@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import nsa
+from experiments import decode
 from experiments.framework import config, hardware
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -64,7 +65,7 @@ def test_every_entry_composes_and_validates(entry):
     raw = OmegaConf.to_container(cfg.hydra, resolve=False)
     assert raw["job"]["chdir"] is False and raw["run"]["dir"].startswith("outputs/")
     assert raw["sweep"]["dir"].startswith("outputs/") and raw["sweeper"]["_target_"].endswith("NSASweeper")
-    job = config.prepare(cfg, entry)
+    job = config.prepare(cfg, entry, check=decode.check_config if entry == "decode" else None)  # decode's own rules too
     assert job.profile.name == "cpu" and job.plan == {"cmp": "reference", "sel": "reference", "win": "reference"}
 
 

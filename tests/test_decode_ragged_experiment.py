@@ -161,10 +161,10 @@ def test_lengths_are_uniform_integers_in_half_seq_to_seq():
 ])
 def test_bad_ragged_values_are_config_errors(_hydra, over, needle):
     with pytest.raises(config.ConfigError) as e:
-        config.prepare(compose(config_name="decode", overrides=["hardware=cpu", *over]), "decode")
+        config.prepare(compose(config_name="decode", overrides=["hardware=cpu", *over]), "decode", check=decode.check_config)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert config.prepare(compose(config_name="decode", overrides=["hardware=cpu", "decode.ragged=true", "seq=2"]),
-                          "decode").cfg.decode.ragged is True
+                          "decode", check=decode.check_config).cfg.decode.ragged is True
 
 
 def test_memory_estimate_adds_only_the_mask_and_scores(_hydra, monkeypatch):

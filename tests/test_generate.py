@@ -97,7 +97,7 @@ def test_compare_tokens_finds_the_first_difference():
 def _job(*overrides: str):
     with initialize_config_dir(config_dir=str(entrypoints.REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="generate", overrides=[*TINY, *overrides])
-    return prepare(OmegaConf.create(OmegaConf.to_container(cfg)), "generate")
+    return prepare(OmegaConf.create(OmegaConf.to_container(cfg)), "generate", check=generate.check_config)
 
 
 def test_the_token_check_reports_a_difference_as_a_failure(monkeypatch):

@@ -6,6 +6,8 @@ a small tree of its own:
 * the modules of nsa/ and experiments/ import each other without cycles. Every import statement
   counts, also one inside a function: a deferred import hides a cycle from the interpreter, not from
   the reader;
+* the framework (experiments/framework) imports nothing by name (``importlib.import_module``, a table of
+  ``"module:function"`` strings): what an entry point adds, it passes in, so the import graph shows it;
 * no module edits ``sys.path`` (scripts import the installed package), and the scripts run from
   another directory;
 * one definition of the dtype table and of the config flattener;
@@ -15,6 +17,7 @@ a small tree of its own:
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +160,40 @@ def test_no_private_name_crosses_a_module():
 
 def test_no_import_cycles_in_nsa_and_experiments():
     assert import_cycles(module_files(("nsa", "experiments"))) == []
+
+
+MODULE_FUNCTION = re.compile(r"[A-Za-z_]\w*(\.\w+)*:[A-Za-z_]\w*")  # "experiments.train:run_config"
+
+
+def imports_by_name(mods: dict[str, Path], root: Path = REPO) -> list[str]:
+    """Every import by name: a call of ``importlib.import_module`` or ``__import__``, and every string
+    ``"package.module:function"`` naming a module of ``mods``' packages, as ``file:line: what``."""
+    ours = {m.split(".")[0] for m in mods}
+    found = []
+    for path in mods.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__"):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_FUNCTION.fullmatch(node.value) \
+                    and node.value.split(".")[0].split(":")[0] in ours:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    return sorted(found)
+
+
+def test_the_framework_imports_nothing_by_name():
+    """The entry points pass their own config checks to the framework (run_job's and launch's ``check``):
+    no table of ``"experiments.<entry>:<function>"`` imported by name, which the cycle check cannot see."""
+    assert imports_by_name({m: p for m, p in module_files(("experiments",)).items()
+                            if m.startswith("experiments.framework")}) == []
+
+
+def test_imports_by_name_finds_each_form(tmp_path):
+    write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "import importlib\nCHECKS = {'x': 'pkg.b:check'}\n"
+                                                        "def f(m):\n    return importlib.import_module(m)\n"
+                                                        "OTHER = 'os.path:join'\nTIME = '12:30'\n",
+                     "pkg/b.py": "def g():\n    return __import__('json')\n"})
+    assert imports_by_name(module_files(("pkg",), tmp_path), tmp_path) == [
+        "pkg/a.py:2: 'pkg.b:check'", "pkg/a.py:4: importlib.import_module(m)", "pkg/b.py:2: __import__('json')"]
 
 
 def write(root: Path, files: dict[str, str]) -> None:

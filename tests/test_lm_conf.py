@@ -120,20 +120,21 @@ def test_needles32k_g16_preset():
 
 
 def test_the_framework_validates_train_with_the_library():
-    """experiments.train's jobs: prepare() runs RunConfig's checks (a ValueError is a one-line config
-    error before any run); the model is lm, not the benchmarks' model group."""
+    """experiments.train's jobs: prepare() runs RunConfig's checks, train's own ``check`` (a ValueError is a
+    one-line config error before any run); the model is lm, not the benchmarks' model group."""
+    from experiments import train
     from experiments.framework import ConfigError, config
 
-    job = config.prepare(compose_train(), "train")
+    job = config.prepare(compose_train(), "train", check=train.run_config)
     assert job.nsa is None and job.branch == "none" and job.seq == 256 and "model" not in job.cfg
-    assert config.prepare(compose_train("train=retrieval32k", "hardware.strict=false", "backend=reference",
-                                        "dtype=float32"), "train").seq == 32768  # seq: the main stage's context
+    long = compose_train("train=retrieval32k", "hardware.strict=false", "backend=reference", "dtype=float32")
+    assert config.prepare(long, "train", check=train.run_config).seq == 32768  # seq: the main stage's context
     for overrides, msg in [(["dtype=float16"], "dtype='float16': training runs in one of ('float32', 'bfloat16')"),
                            (["model=tiny"], "model: not an option of experiments.train"),
                            (["train.steps=0"], "train.steps=0: must be an integer >= 1"),
                            (["lm.nsa.l=20"], "NSAConfig.l=20")]:
         with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-            config.prepare(compose_train(*overrides), "train")
+            config.prepare(compose_train(*overrides), "train", check=train.run_config)
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])

@@ -12,7 +12,8 @@
 * :mod:`.logs`      console and log-file output
 
 An entry point is a ``work(job) -> Result`` function, a ``@hydra.main`` task that calls
-:func:`run_job`, and ``launch(main, "<entry>")`` as its ``__main__``.
+:func:`run_job`, and ``launch(main, "<entry>")`` as its ``__main__``; its own config rules, if any, a
+``check(job)`` it passes to both (``check=``).
 """
 from . import help as _help
 from . import parallel as _parallel

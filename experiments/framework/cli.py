@@ -272,8 +272,20 @@ def mask_passwords(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(main: Callable[[], Any], entry: str) -> None:
-    """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes."""
+# entry -> the config check its launch() was given, while that launch runs its main (launched_check).
+_checks: dict[str, Callable[[Any], Any]] = {}
+
+
+def launched_check(entry: str) -> Callable[[Any], Any] | None:
+    """The config check ``launch`` was given for ``entry``, while it runs the entry's main: Hydra runs a sweep
+    inside that main, and the sweep validates every job with it before any starts. None otherwise."""
+    return _checks.get(entry)
+
+
+def launch(main: Callable[[], Any], entry: str, check: Callable[[Any], Any] | None = None) -> None:
+    """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes.
+    ``check(job)``: the entry's own config rules, the function its main passes to ``run_job``; a sweep
+    (``-m``) checks every job with it before any starts."""
     from . import parallel
 
     parallel.pin_device()  # a torchrun rank's own GPU before anything touches CUDA
@@ -281,6 +293,8 @@ def launch(main: Callable[[], Any], entry: str) -> None:
     precheck(argv, entry)
     sys.argv[1:] = argv
     install_signal_handlers()
+    if check is not None:
+        _checks[entry] = check
     try:
         main()
     except KeyboardInterrupt as e:
@@ -290,3 +304,5 @@ def launch(main: Callable[[], Any], entry: str) -> None:
         say(f"[{entry}] {interrupt_reason(e)}: " + (f"run(s) {', '.join(closed)} ended KILLED" if closed else
                                                      "no run was open"))
         raise SystemExit(getattr(e, "code", 130)) from None
+    finally:
+        _checks.pop(entry, None)

@@ -8,9 +8,9 @@ ConfigErrors: anything else raised here is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,6 @@ from .errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO / "conf"
 ENTRIES = ("decode", "prefill", "parity", "kernels", "validate", "train", "generate")  # experiments.<entry>
-# Entry points whose config a library checks beyond the rules here: entry -> "module:function", called
-# with the prepared Job; a ValueError it raises is a config error (train: experiments.lm's RunConfig).
-ENTRY_CHECKS = {"train": "experiments.train:run_config", "decode": "experiments.decode:check_config",
-                "generate": "experiments.generate:check_config", "prefill": "experiments.prefill:check_config",
-                "kernels": "experiments.kernels:check_config"}
 # Entry points whose figures are timings: a GPU profile's settings (dtype, threads, policy, peaks) time
 # nothing meaningful on a CPU, so these refuse one there (check_timed_device).
 TIMED = ("decode", "prefill", "kernels", "train", "generate")
@@ -290,13 +285,17 @@ def backends_by_entry(policy, entry: str) -> dict[str, str]:
     return {b: n for b, n in (node.get(entry) or {}).items() if n is not None}
 
 
-def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None = None) -> Job:
+def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None = None,
+            check: Callable[[Job], Any] | None = None) -> Job:
     """Validate ``cfg`` and resolve what it leaves open. Raises ConfigError with one line.
 
     ``here=False``: the job will run on another host (a SLURM launcher's): a named hardware profile is
     not matched to this host's device, nor the backends' availability checked; the job does both
     where it runs. ``choices``: the config groups' options the job composed (Hydra's
-    ``hydra.runtime.choices``; read from ``cfg.hydra`` where it has that node), for the keys errors name."""
+    ``hydra.runtime.choices``; read from ``cfg.hydra`` where it has that node), for the keys errors name.
+    ``check(job)``: the entry point's own rules beyond those here, given by the entry (``run_job``'s and
+    ``launch``'s ``check``; train: its library's RunConfig), called with the prepared Job; a ValueError it
+    raises is a config error."""
     if choices is None and OmegaConf.select(cfg, "hydra.runtime.choices", default=None) is not None:
         choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     choices = {k: v for k, v in (choices or {}).items() if not k.startswith("hydra/") and v}
@@ -326,10 +325,9 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None
         check_backends(plan, fallback, device, DTYPES[dname], branches_used(entry, branch), option)
     job = Job(entry, cfg, ncfg, plan, fallback, notes, profile, note, device, DTYPES[dname], dev, seq, branch,
               choices=choices)
-    if entry in ENTRY_CHECKS:
-        module, name = ENTRY_CHECKS[entry].split(":")
+    if check is not None:
         try:
-            getattr(importlib.import_module(module), name)(job)
+            check(job)
         except ValueError as e:
             raise ConfigError(one_line(e)) from e
     return job

@@ -153,8 +153,10 @@ def describe(job: Job, choices: dict) -> tuple[dict, dict]:
 
 def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
             resume: Callable[[Job], str | None] | None = None,
-            fits: Callable[[Job], Any] | None = None) -> None:
-    """``resume(job)``: the id of the run an earlier process of this job left unfinished (e.g. named by
+            fits: Callable[[Job], Any] | None = None, check: Callable[[Job], Any] | None = None) -> None:
+    """``check(job)``: the entry's own config rules (``config.prepare``'s ``check``: a ValueError is a config
+    error); the same function its ``launch`` is given, which a sweep validates every job with before any
+    starts. ``resume(job)``: the id of the run an earlier process of this job left unfinished (e.g. named by
     a checkpoint in ``job.out_dir``), reopened instead of a new run (:func:`_earlier_run` says when
     it may be); None: a new run. A ConfigError it raises is a config error. ``fits(job)``: the entry's
     memory estimate against limits.max_memory_gib (``config.check_memory``), before the store is opened:
@@ -171,7 +173,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     tags = {"sweep_job": json.dumps(key), **({"launcher": launcher_name(hc)} if parent and hc else {})}
     try:
         check_timed_device(cfg, entry)
-        job = prepare(cfg, entry, choices=choices)
+        job = prepare(cfg, entry, choices=choices, check=check)
         job.out_dir = out_dir
         if fits is not None and parent is None:  # a sweep's job: work() checks it, and fails alone
             fits(job)

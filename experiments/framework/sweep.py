@@ -102,8 +102,10 @@ def _check_values(parser, jobs: list[list[str]]) -> None:
 
 def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
     """Every job's config, composed as its launcher will and validated, before anything starts (the
-    device match and the backends' availability where the jobs run here)."""
+    device match and the backends' availability where the jobs run here; the entry's own check where its
+    ``launch`` was given one)."""
     loader, out, here = sweeper.hydra_context.config_loader, [], launchers.runs_jobs_here(sweeper.launcher)
+    check = cli.launched_check(entry)  # the entry's own rules, as its launch() passed them
     if len(jobs) > 20:  # about 0.1-0.3 s a job: say what the wait is
         say(f"[{entry}] validating {len(jobs)} jobs' configs before any starts")
     for ov in jobs:
@@ -114,7 +116,7 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
                 parallel.check(cp, entry, sweep=True)  # a sweep runs no context-parallel job: one line, why
             if here:
                 check_timed_device(cfg, entry)
-            out.append(prepare(cfg, entry, here=here))
+            out.append(prepare(cfg, entry, here=here, check=check))
         except ConfigError as e:
             cli.config_exit(f"{e} [job: {' '.join(ov)}]")
         except (HydraException, OmegaConfBaseException) as e:

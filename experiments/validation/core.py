@@ -8,8 +8,10 @@ raised), ``SKIP`` (could not run here; the reason is named) and ``NOT RUN`` (lef
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -59,14 +61,15 @@ class Context:
     def device(self) -> torch.device:
         return self.job.device
 
-    def entry_job(self, entry: str, seq: int, **values) -> Job:
+    def entry_job(self, entry: str, seq: int, check: Callable[[Job], Any] | None = None, **values) -> Job:
         """A job of ``experiments.<entry>`` from this run's config: ``seq`` and ``values`` (dotted keys,
-        e.g. ``{"decode.batch": 64}``) set, validated by the framework as that entry's own would be."""
+        e.g. ``{"decode.batch": 64}``) set, validated by the framework as that entry's own would be (``check``:
+        the entry's own rules, the function it gives ``run_job``)."""
         c = OmegaConf.create(OmegaConf.to_container(self.cfg, resolve=True))
         c.seq = seq
         for k, v in values.items():
             OmegaConf.update(c, k, v, merge=False)
-        return prepare(c, entry)
+        return prepare(c, entry, check=check)
 
     def path(self, name: str) -> Path:
         self.out.mkdir(parents=True, exist_ok=True)

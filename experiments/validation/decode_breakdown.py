@@ -69,7 +69,7 @@ def tokens(rows: list[dict], metrics: dict) -> dict:
 def step_vs_reference(ctx: Context, S: int, B: int) -> dict:
     """The attention output and top-n of the step at t = S-1 (the path experiments.decode times) against
     the reference on the same cache, queries and gates."""
-    job = ctx.entry_job("decode", seq=S, **{"decode.batch": B})
+    job = ctx.entry_job("decode", seq=S, check=decode_entry.check_config, **{"decode.batch": B})
     c, dev, dt = job.nsa, job.device, job.dtype
     torch.manual_seed(int(job.cfg.seed))
     layer = NSAAttention(c, backend=job.plan, fallback=job.fallback).to(dev, dt).eval()
@@ -97,8 +97,9 @@ def run(ctx: Context) -> Check:
     per = []
     for B in s.batches:
         for S in s.seqs:
-            job = ctx.entry_job("decode", seq=S, **{"decode.batch": B, "decode.warmup": s.warmup, "decode.repeats": s.repeats,
-                                                     "decode.graph_reps": s.graph_reps, "decode.per_branch": True})
+            job = ctx.entry_job("decode", seq=S, check=decode_entry.check_config, **{
+                "decode.batch": B, "decode.warmup": s.warmup, "decode.repeats": s.repeats,
+                "decode.graph_reps": s.graph_reps, "decode.per_branch": True})
             res = decode_entry.work(job)  # raises where the kernels' token counters differ from the indices
             c.rows += res.rows
             per.append({"B": B, "S": S, "rows": res.rows, "sh": shares(res.rows), "tok": tokens(res.rows, res.metrics),

@@ -1,0 +1,43 @@
+"""An entry point's own config rules (decode's, generate's, train's ``check``, passed to ``run_job`` and to
+``launch``) through the real CLI: a bad value is one line naming the key, exit 2, no run and no output, in
+a single run (``run_job``'s check) and in a sweep, where every job is checked before any starts
+(``launch``'s: a job refused later would leave a parent run and a FAILED child, exit 1)."""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+from entrypoints import make_template, one_line, run_bounded, start
+from mlflow import MlflowClient
+
+TINY_GENERATE = ["model=tiny", "seq=64", "generate.lm.n_layers=2", "generate.lm.mlp_hidden=128", "generate.lm.vocab=256"]
+# name: (entry, arguments, what the one line says)
+CASES = {
+    "decode_sweep": ("decode", ["hardware=cpu", "decode.ragged=true", "-m", "seq=2,1"],
+                     "decode.ragged=true: seq=1 must be >= 2"),
+    "generate_sweep": ("generate", ["hardware=cpu", *TINY_GENERATE, "-m", "generate.new_tokens=1,0"],
+                       "generate.new_tokens=0: must be an integer >= 1"),
+    "train": ("train", ["train.steps=0"], "train.steps=0: must be an integer >= 1"),
+    "train_sweep": ("train", ["-m", "train.steps=1,0"], "train.steps=0: must be an integer >= 1"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    template = make_template(tmp_path_factory.mktemp("template") / "mlflow.db")
+    tmp = {k: tmp_path_factory.mktemp(k) for k in CASES}
+    done = run_bounded({k: partial(start, tmp[k], entry, *args, template=template) for k, (entry, args, _) in CASES.items()})
+    return {k: (tmp[k], rc, err) for k, (rc, _out, err, _t0, _end) in done.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_entrys_own_rule_refuses_before_any_run(refused, case):
+    tmp, rc, err = refused[case]
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1, (case, err[-2000:])
+    assert lines[0].startswith(f"config error: {CASES[case][2]}"), lines[0]  # the rule itself, nothing before it
+    if case.endswith("_sweep"):  # the sweep's validation, before its parent run: the job named
+        assert "[job: " in lines[0], lines[0]
+    assert not (tmp / "out").exists()
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())
