@@ -20,9 +20,10 @@ def run(ctx: Context) -> Check:
     c, s = Check("prefill"), ctx.size.prefill
     per = []
     for S in s.seqs:
-        job = ctx.entry_job("prefill", seq=S, **{"prefill.batch": s.batch, "prefill.warmup": s.warmup,
-                                                  "prefill.repeats": s.repeats, "prefill.per_branch": False,
-                                                  "prefill.backward": True, "prefill.dense_flash": "dense_flash" in s.dense})
+        job = ctx.entry_job("prefill", seq=S, check=prefill_entry.check_config,
+                            **{"prefill.batch": s.batch, "prefill.warmup": s.warmup, "prefill.repeats": s.repeats,
+                               "prefill.per_branch": False, "prefill.backward": True,
+                               "prefill.dense_flash": "dense_flash" in s.dense})
         res = prefill_entry.work(job)
         c.rows += res.rows
         by = {r["variant"]: r for r in res.rows}
