@@ -200,6 +200,7 @@ class NSASelfAttention(nn.Module):
             raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE)}")
         self.layer_idx, self.decode = layer_idx, decode
         self.decode_ran: str | None = None  # how the last single cached token ran (DECODE's names; None: none yet)
+        self._fused: dict = {}  # (backend, device, dtype) -> fused_decode's answer, asked once, not per token
         self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
 
     def decode_path(self, x: torch.Tensor) -> str:
@@ -208,7 +209,10 @@ class NSASelfAttention(nn.Module):
             return self.decode
         if x.device.type != "cuda" or torch.is_grad_enabled():  # the decoder's step records no gradient
             return "module"
-        return "graph" if fused_decode(self.nsa.backend, x.device, x.dtype) else "module"
+        key = (repr(self.nsa.backend), x.device, x.dtype)
+        if key not in self._fused:
+            self._fused[key] = fused_decode(self.nsa.backend, x.device, x.dtype)
+        return "graph" if self._fused[key] else "module"
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                 cache=None, **kwargs):
