@@ -37,10 +37,8 @@ def pair(arch: str):
     torch.manual_seed(0)
     src = ARCHS[arch]().float().eval()
     step = hf.convert(ARCHS[arch]().float().eval(), backend="triton", decode="step", **SETTINGS)
-    src_state = src.state_dict()
     ref = hf.convert(src, backend="reference", decode="module", **SETTINGS)
     step.load_state_dict(ref.state_dict())
-    assert set(src_state) <= set(ref.state_dict()) | set(src_state)
     return step, ref
 
 
