@@ -252,8 +252,23 @@ def _check_index_range(indices, config: NSAConfig, S: int, docs: Varlen | None =
         _fail(f"{name}: block index {bad} out of range; valid block indices are {valid}, and -1 for none")
 
 
+def check_block_indices(indices, config: NSAConfig, S: int, *, name: str = "block_indices") -> None:
+    """The range check of :func:`nsa_attention`'s ``block_indices`` (and :func:`selected_attention`'s ``indices``),
+    once: a caller that passes the same indices to many calls checks them here and passes ``check_indices=False``.
+
+    Arguments:
+        indices: (B, Tq, H, k) block numbers of a sequence of ``S`` keys, -1 for none.
+        config: the layer's :class:`NSAConfig` (l_sel).
+        S: the number of keys.
+        name: the argument's name in the error.
+    Returns:
+        None; raises ValueError (one line naming ``name``) where an index lies outside [0, ceil(S / l_sel)) and
+        is not -1."""
+    _check_index_range(indices, config, S, None, name)
+
+
 def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=None, q_start: int = 0,
-                       backend: str = "reference", cu_seqlens=None):
+                       backend: str = "reference", cu_seqlens=None, check_indices: bool = True):
     """Selected branch (spec step 5): attention over the tokens u <= t of the selected blocks.
 
     Arguments:
@@ -267,6 +282,9 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
         q_start: absolute position of the first query.
         backend: the backend's name (``nsa.dispatch``).
         cu_seqlens: packed documents (module docstring).
+        check_indices: check the range of ``indices`` (one reduction and one host sync a call, which on a GPU
+            holds the host back until the device is idle); False where the caller checked the same indices
+            once (:func:`check_block_indices`), e.g. a benchmark's timing loop.
     Returns:
         o_sel: (B, Tq, HQ, Dv).
     """
@@ -275,7 +293,8 @@ def selected_attention(q, k_sel, v_sel, indices, config: NSAConfig, *, scale=Non
     docs = _packed(cu_seqlens, "q", q, q_start)
     _check_kv(q, k_sel, v_sel, "k_sel", "v_sel", config, None if docs is None else q.shape[1], q_start)
     _check_indices(q, indices, config)
-    _check_index_range(indices, config, k_sel.shape[1], docs)
+    if check_indices:
+        _check_index_range(indices, config, k_sel.shape[1], docs)
     be = dispatch.choose("sel", backend, q.device, q.dtype, None, varlen=docs is not None)
     return be.selected(q, k_sel, v_sel, indices, config, scale=_scale(q, scale), q_start=q_start, varlen=docs)
 
@@ -320,7 +339,7 @@ def _side_stream(device: torch.device):
 def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NSAConfig, *, scale=None,
                   backend: str | Mapping[str, str] = "reference", return_indices: bool = False,
                   q_start: int = 0, fallback: str | None = None, streams: bool = True, cu_seqlens=None,
-                  block_indices=None):
+                  block_indices=None, check_indices: bool = True):
     """NSA attention output (paper Eq. 5 summed over branches with gates, spec step 7).
 
     o = g_cmp * o_cmp + g_sel * o_sel + g_win * o_win, with o_cmp over compressed keys k_cmp/v_cmp
@@ -360,6 +379,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
             (its output and gradient are the same); only the blocks the selected branch reads change. For
             ablations (``experiments.lm.ablations``): every backend takes them, through the path
             ``experiments.parity`` runs the backends on the reference's indices with.
+        check_indices: check the range of ``block_indices`` as :func:`selected_attention` does (one host sync a
+            call); False where the caller checked the same indices once (:func:`check_block_indices`).
     Returns:
         o: (B, Tq, HQ, Dv).
         indices: (B, Tq, H, k), only with ``return_indices``: the selected blocks, ascending, -1 padded;
@@ -387,7 +408,8 @@ def nsa_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config: NS
     _check_same("q", q, gates=gates)
     if block_indices is not None:
         _check_indices(q, block_indices, config, "block_indices")
-        _check_index_range(block_indices, config, S, docs, "block_indices")
+        if check_indices:
+            _check_index_range(block_indices, config, S, docs, "block_indices")
     sc = _scale(q, scale)
     # n_sel beyond the blocks of S keys (packed: of the longest document) selects them all: work sized by them
     config = config.bounded(S if docs is None else docs.max_len)

@@ -6,13 +6,18 @@
     PYTHONPATH=tests python3 scripts/gpu_diag.py compile  # one cmp kernel check twice: compile vs run time
     PYTHONPATH=tests python3 scripts/gpu_diag.py varlen   # the whole layer: 12 packed documents vs one
                                                           # sequence of 64k tokens
+    PYTHONPATH=tests python3 scripts/gpu_diag.py replay <selections file>  # a trained layer's selections
+                                                          # (train.save_selections) against the layer's own
+                                                          # top-n: the selected branch alone and the layer,
+                                                          # with block_indices' range check on and off
 
 From the repository root with the project installed: it takes its cases from the test suite
 (tests/kernel_cases.py, which imports tests/conftest.py), hence tests/ on PYTHONPATH;
-`bash scripts/bench.sh diag` runs all three.
+`bash scripts/bench.sh diag` runs the first three.
 """
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -58,6 +63,54 @@ def sel_detail(case, ov):
         print("  positions with error > 5% of max ref norm:", bad_t.shape[0], "t range",
               (bad_t[:, 1].min().item(), bad_t[:, 1].max().item()) if bad_t.numel() else None, flush=True)
 
+
+def bench(fn_, args, dO):
+    """(fwd ms, fwd+bwd ms) of fn_() by triton's do_bench; the backward's gradients are those of ``args``."""
+    from triton.testing import do_bench
+    with torch.no_grad():
+        f = do_bench(fn_, warmup=20, rep=200)
+    return f, do_bench(lambda: torch.autograd.grad(fn_(), args, dO), warmup=10, rep=200)
+
+
+def ascending(idx):
+    """Block indices sorted by block, -1 (none) last, as the top-n's."""
+    s = idx.masked_fill(idx < 0, 1 << 40).sort(-1).values
+    return s.masked_fill(s == 1 << 40, -1)
+
+
+def replay_diag(path):
+    """h200bench's layer at 8k and 64k: the selected branch and the whole layer on the trained selections of
+    ``path`` (each head of the file repeated over h200bench's 4), as saved, sorted by block, shared by tiles of
+    64 / 512 queries (each row reads its tile's first row's blocks), against the top-n of random inputs; the layer
+    with block_indices' range check (one host sync a call) and without it (check_indices=False)."""
+    from experiments.measure import replay
+    cfg = NSAConfig(dim=8192, n_heads=64, n_kv_heads=4, d_k=128, d_v=128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in (8192, 65536):
+        def r(*shape, std=1.0):
+            return (torch.randn(*shape, generator=g, device="cuda") * std).to(BF16).requires_grad_()
+        Tc = cfg.n_cmp(T)
+        x = [r(1, T, 64, 128, std=2.0), r(1, Tc, 4, 128, std=2.0), r(1, Tc, 4, 128), r(1, T, 4, 128, std=2.0),
+             r(1, T, 4, 128), r(1, T, 4, 128, std=2.0), r(1, T, 4, 128),
+             torch.rand(1, T, 64, 3, generator=g, device="cuda").to(BF16).requires_grad_()]
+        dO = torch.randn(1, T, 64, 128, device="cuda", dtype=BF16)
+        with torch.no_grad():
+            _, own = fn.nsa_attention(*x, cfg, backend="triton", return_indices=True)
+        trained = replay.load(path, T, cfg)[0].to("cuda", torch.int64)[None]
+        rows = torch.arange(T, device="cuda")
+        sets = {"own top-n (random inputs)": own, "trained": trained, "trained, sorted": ascending(trained),
+                "shared by 64": trained[:, rows // 64 * 64], "shared by 512": trained[:, rows // 512 * 512]}
+        for name, idx in sets.items():
+            f, b = bench(partial(fn.selected_attention, x[0], x[3], x[4], idx, cfg, backend="triton",
+                                 check_indices=False), [x[0], x[3], x[4]], dO)
+            print(f"replay T={T} {name}: selected branch fwd {f:.3f} ms, fwd+bwd {b:.3f} ms", flush=True)
+        for name, kw in (("trained, check on", {"block_indices": trained}),
+                         ("trained, check off", {"block_indices": trained, "check_indices": False}),
+                         ("own top-n", {})):
+            f, b = bench(partial(fn.nsa_attention, *x, cfg, backend="triton", **kw), x, dO)
+            print(f"replay T={T} layer, {name}: fwd {f:.3f} ms, fwd+bwd {b:.3f} ms", flush=True)
+
+
 if what == "sel":
     C = lambda T, Dk, B=2: kc.Case(B=B, T=T, H=4, G=16, Dk=Dk, Dv=128, blocks=PAPER, rows=256)
     sel_detail(C(8191, 192), {})
@@ -100,3 +153,5 @@ elif what == "varlen":
             fwd = do_bench(f, warmup=50, rep=300)
         both = do_bench(fb, warmup=50, rep=300)
         print(f"varlen N={N} {name}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms", flush=True)
+elif what == "replay":
+    replay_diag(sys.argv[2])

@@ -226,6 +226,31 @@ def test_selected_attention_rejects_out_of_range_indices(inputs, bad, match):
         fn.selected_attention(x["q"], x["k_sel"], x["v_sel"], idx, c)
 
 
+def test_indices_checked_once_then_passed_unchecked(inputs, monkeypatch):
+    """check_block_indices is the per-call range check, once; check_indices=False skips it (its reduction and,
+    on a GPU, the host sync that cost a benchmark's layer 1.1 ms a call at 8k) and changes nothing else."""
+    c, x = inputs
+    idx = torch.full((2, 20, 2, 3), -1, dtype=torch.int64)
+    idx[..., 0] = 0
+    idx[1, 19, 1, 1] = 2
+    fn.check_block_indices(idx, c, 20)
+    bad = idx.clone()
+    bad[1, 7, 0, 2] = 3
+    with pytest.raises(ValueError, match=r"^prefill\.indices: block index 3 out of range; valid block indices are 0\.\.2"):
+        fn.check_block_indices(bad, c, 20, name="prefill.indices")
+    args = [x[k] for k in ("q", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win", "gates")]
+    checked = fn.nsa_attention(*args, c, block_indices=idx)
+    sel_checked = fn.selected_attention(x["q"], x["k_sel"], x["v_sel"], idx, c)
+    calls = []
+    aminmax = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: calls.append(1) or aminmax(*a, **k))
+    assert torch.equal(fn.nsa_attention(*args, c, block_indices=idx, check_indices=False), checked)
+    assert torch.equal(fn.selected_attention(x["q"], x["k_sel"], x["v_sel"], idx, c, check_indices=False), sel_checked)
+    assert calls == []
+    fn.nsa_attention(*args, c, block_indices=idx)
+    assert calls == [1]  # the default checks, with the reduction counted above
+
+
 @pytest.mark.parametrize("B,T", [(0, 20), (2, 0), (0, 0)], ids=["B0", "T0", "B0-T0"])
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
 def test_empty_inputs_give_empty_outputs(B, T, backend):

@@ -19,18 +19,20 @@ from .inputs import CoreInputs, project
 
 
 def core(branch: str, x: CoreInputs, config: NSAConfig, plan: Mapping[str, str], fallback: str | None,
-         streams: bool = True, *, block_indices=None):
+         streams: bool = True, *, block_indices=None, check_indices: bool = True):
     """NSA attention output ``[B,Tq,HQ,Dv]``. branch "none": all three branches with the gates
     (``nsa.functional.nsa_attention``, ``streams`` passed on); "cmp"/"sel"/"win": that branch alone
     (one-hot gates). n_sel is bounded by the blocks of the S keys (``NSAConfig.bounded``, as the library
     does): a larger n_sel selects every block, so work and index tensors are sized by the blocks that exist.
     ``block_indices`` ``[B,Tq,H,k]`` (e.g. a trained model's, ``measure.replay``): the blocks the selected
-    branch reads instead of the top-n's (the compressed branch still runs; its top-n does not)."""
+    branch reads instead of the top-n's (the compressed branch still runs; its top-n does not); ``check_indices``:
+    their range checked on every call (one host sync: False in a timing loop, once they are checked)."""
     config = config.bounded(x.k_sel.shape[1])
     if branch == "none":
         return functional.nsa_attention(x.q, x.k_cmp, x.v_cmp, x.k_sel, x.v_sel, x.k_win, x.v_win, x.gates,
                                         config, backend=dict(plan), q_start=x.q_start, fallback=fallback,
-                                        streams=streams, block_indices=block_indices)
+                                        streams=streams, block_indices=block_indices,
+                                        check_indices=check_indices)
     dev, dt = x.q.device, x.q.dtype
     scale = x.q.shape[-1] ** -0.5
     S = x.k_sel.shape[1]
