@@ -67,11 +67,26 @@ def note_closed(e: BaseException, rid: str) -> None:
         e.closed.append(rid)
 
 
+_pending: Interrupted | None = None  # the signal received, until launch() ends on it
+
+
 def _on_signal(signum, _frame):
+    global _pending
     # Closing the runs on the way out must not itself be interrupted by a second Ctrl-C.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signal.Signals(signum).name, 128 + signum)
+    _pending = Interrupted(signal.Signals(signum).name, 128 + signum)
+    raise _pending
+
+
+def raise_if_interrupted() -> None:
+    """Raise again a signal's exception that Python dropped. A handler runs in whatever Python code the main
+    thread is in: inside a finalizer or weakref callback (the garbage collector's, e.g. SQLAlchemy's) the
+    exception is printed as "Exception ignored" and the process goes on, its handlers already ignoring
+    signals. Jobs call this where they pass often (each timed call, each training step) and before a run
+    ends FINISHED, so the signal still ends the runs KILLED."""
+    if _pending is not None:
+        raise _pending
 
 
 def install_signal_handlers() -> None:
@@ -286,6 +301,7 @@ def launch(main: Callable[[], Any], entry: str, check: Callable[[Any], Any] | No
     """``__main__`` of an entry point: arguments in Hydra's order, pre-checks, signals, exit codes.
     ``check(job)``: the entry's own config rules, the function its main passes to ``run_job``; a sweep
     (``-m``) checks every job with it before any starts."""
+    global _pending
     from . import parallel
 
     parallel.pin_device()  # a torchrun rank's own GPU before anything touches CUDA
@@ -297,6 +313,7 @@ def launch(main: Callable[[], Any], entry: str, check: Callable[[Any], Any] | No
         _checks[entry] = check
     try:
         main()
+        raise_if_interrupted()  # dropped where no job passed a check since (e.g. the sweep's summary)
     except KeyboardInterrupt as e:
         from .tracking import close_open
 
@@ -306,3 +323,4 @@ def launch(main: Callable[[], Any], entry: str, check: Callable[[Any], Any] | No
         raise SystemExit(getattr(e, "code", 130)) from None
     finally:
         _checks.pop(entry, None)
+        _pending = None

@@ -244,6 +244,7 @@ def _run_work(job: Job, work: Callable[[Job], Result], choices: dict, earlier, k
     status, err, timing = "FAILED", None, {"work_s": 0.0}
     leaving = True  # an exception propagates: the run ends in the finally clause
     try:
+        cli.raise_if_interrupted()
         if _cp(job):
             job.cp = parallel.init(job.device)
             log.info(f"{head}: context parallel over {job.cp.world} ranks ({job.cp.backend}); rank 0 logs this run")
@@ -255,6 +256,7 @@ def _run_work(job: Job, work: Callable[[Job], Result], choices: dict, earlier, k
         if job.device.type == "cpu" and job.profile.get("threads"):
             torch.set_num_threads(int(job.profile.threads))
         res = _recorded_work(job, work, timing)
+        cli.raise_if_interrupted()
         _log_result(client, rid, job, res, timing["work_s"], out_dir)
         if res.failure:
             raise JobFailure(res.failure)

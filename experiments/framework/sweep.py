@@ -450,6 +450,7 @@ def _finish(store, parent: str, entry: str, jobs: list[list[str]], keys: list[st
     (``ends``: per job key, its SLURM job id and state) where there is one. A file of the sweep that
     cannot be written (a full disk) is said in one line and fails the parent; the summary is printed
     all the same."""
+    cli.raise_if_interrupted()  # not FINISHED on a signal Python dropped
     ends, unstored = ends or {}, []
 
     def stored(write, *args) -> None:  # a store that fails (a full disk): said once; the summary goes on

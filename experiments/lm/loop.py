@@ -56,6 +56,7 @@ from nsa import NSAConfig, dispatch
 from nsa.numerics import DTYPES
 
 from .. import progress
+from ..framework.cli import raise_if_interrupted
 from ..measure.timing import profiled
 from ..nested import flatten
 from . import ablations, checkpoint, cost, probes, recipe
@@ -308,6 +309,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     model.train()
     with progress.bar(tc.steps, "train", "step", initial=step) as shown:  # quiet where stderr is no terminal
         while step < tc.steps:
+            raise_if_interrupted()  # a signal Python dropped (in a finalizer) still stops the run
             lr = tc.lr_at(step + 1)
             for group in opt.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before the recipe has none

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..framework.cli import raise_if_interrupted
+
 
 def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """CUDA-graph hook for decode steps: capture ``fn`` once (static inputs) and replay it."""
@@ -57,9 +59,11 @@ def decode_launch_tags(decoder) -> dict[str, str]:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU."""
+    """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU. A signal
+    that Python dropped (``cli.raise_if_interrupted``) is raised between calls, outside the timed span."""
     for _ in range(warmup):
         fn()
+        raise_if_interrupted()
     out = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -68,12 +72,14 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
             a.record()
             fn()
             b.record()
+            raise_if_interrupted()
         torch.cuda.synchronize(device)
         return [a.elapsed_time(b) for a, b in ev]
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
+        raise_if_interrupted()
     return out
 
 
