@@ -24,7 +24,7 @@ decode-paper|decode sweeps, model=h200bench backend=triton, B=64 and B=1 at 8k..
 decode-tests|the compiled decode tests (tests/test_decode_gpu.py)
 prefill|prefill sweep, model=h200bench backend=triton, both dense baselines, at SEQS (default 8k..64k); PREFILL_ARGS adds overrides
 prefill-layer|the whole prefill layer (per_branch=false) at SEQS (default 8192,65536), dense cuDNN in the same runs; OLD: before/after
-prefill-replay|the whole layer (per_branch=false) at SEQS (default 8192,65536) on the top-n of random inputs and on INDICES (the selections file of a train.save_selections=true run, e.g. train=text8k'"'"'s selections/layer3.pt), dense cuDNN and FlashAttention-2 in the same runs; then scripts/gpu_diag.py replay INDICES (the selected branch on the trained selections as saved, sorted, shared by 64 / 512 queries, against random; the layer with the indices range-checked every call and once)
+prefill-replay|the whole layer (per_branch=false) at SEQS (default 8192,65536) on the top-n of random inputs and on INDICES (the selections file of a train.save_selections=true run, e.g. train=text8k'"'"'s selections/layer3.pt), dense cuDNN and FlashAttention-2 in the same runs; then scripts/gpu_diag.py replay INDICES at SEQS (the selected branch on the trained selections as saved, sorted, shared by 64 / 512 queries, one set for all, against random; the layer with the indices range-checked every call and once)
 prefill-ops|each branch'"'"'s kernels alone (experiments.kernels op=OPS_OPS, default compressed,window,selection) at SEQS (default 8192,65536); OLD: before/after
 prefill-profile|prefill at 8k, each branch alone and the kernel tables (prefill.profile=true)
 prefill-selection|the selected branch alone (experiments.kernels op=selection) at 8k and 64k over SEL_SWEEP (default tuning.selection.mode=query,block)
@@ -144,7 +144,7 @@ step_prefill_replay() {
   [ -n "${INDICES:-}" ] || { echo "prefill-replay: set INDICES=<selections file> (train.save_selections)"; return; }
   run "${T_REPLAY:-300}" replay "$PWD" python3 -- -m experiments.prefill "${H200BENCH[@]}" prefill.per_branch=false \
     "prefill.peers=[]" model.timing.warmup=2 model.timing.repeats=8 -m seq="${SEQS:-8192,65536}" prefill.indices="random,$INDICES"
-  PYTHONPATH="tests:$PYTHONPATH" py "${T_DIAG:-150}" diag_replay.txt scripts/gpu_diag.py replay "$INDICES"
+  PYTHONPATH="tests:$PYTHONPATH" py "${T_DIAG:-150}" diag_replay.txt scripts/gpu_diag.py replay "$INDICES" "${SEQS:-8192,65536}"
 }
 step_prefill_ops() {
   local ops=(-m experiments.kernels hardware="$HW" model=h200bench kernels.peers=false -m op="${OPS_OPS:-compressed,window,selection}"

@@ -6,10 +6,11 @@
     PYTHONPATH=tests python3 scripts/gpu_diag.py compile  # one cmp kernel check twice: compile vs run time
     PYTHONPATH=tests python3 scripts/gpu_diag.py varlen   # the whole layer: 12 packed documents vs one
                                                           # sequence of 64k tokens
-    PYTHONPATH=tests python3 scripts/gpu_diag.py replay <selections file>  # a trained layer's selections
-                                                          # (train.save_selections) against the layer's own
-                                                          # top-n: the selected branch alone and the layer,
-                                                          # with block_indices' range check on and off
+    PYTHONPATH=tests python3 scripts/gpu_diag.py replay <selections file> [8192,65536]  # a trained layer's
+                                                          # selections (train.save_selections) against the
+                                                          # layer's own top-n at these lengths: the selected
+                                                          # branch alone and the layer, with block_indices'
+                                                          # range check on and off
 
 From the repository root with the project installed: it takes its cases from the test suite
 (tests/kernel_cases.py, which imports tests/conftest.py), hence tests/ on PYTHONPATH;
@@ -78,15 +79,24 @@ def ascending(idx):
     return s.masked_fill(s == 1 << 40, -1)
 
 
-def replay_diag(path):
-    """h200bench's layer at 8k and 64k: the selected branch and the whole layer on the trained selections of
+def one_set(idx, l_sel):
+    """Every row reads the last row's blocks, those its own position can see (the rest -1): one set for all."""
+    T = idx.shape[1]
+    last = idx[:, -1:].expand_as(idx)
+    visible = last <= (torch.arange(T, device=idx.device) // l_sel)[None, :, None, None]
+    return ascending(last.masked_fill(~visible, -1))
+
+
+def replay_diag(path, seqs=(8192, 65536)):
+    """h200bench's layer at ``seqs``: the selected branch and the whole layer on the trained selections of
     ``path`` (each head of the file repeated over h200bench's 4), as saved, sorted by block, shared by tiles of
-    64 / 512 queries (each row reads its tile's first row's blocks), against the top-n of random inputs; the layer
-    with block_indices' range check (one host sync a call) and without it (check_indices=False)."""
+    64 / 512 queries (each row reads its tile's first row's blocks), one set for every row (:func:`one_set`),
+    against the top-n of random inputs; the layer with block_indices' range check (one host sync a call) and
+    without it (check_indices=False)."""
     from experiments.measure import replay
     cfg = NSAConfig(dim=8192, n_heads=64, n_kv_heads=4, d_k=128, d_v=128)
     g = torch.Generator(device="cuda").manual_seed(0)
-    for T in (8192, 65536):
+    for T in seqs:
         def r(*shape, std=1.0):
             return (torch.randn(*shape, generator=g, device="cuda") * std).to(BF16).requires_grad_()
         Tc = cfg.n_cmp(T)
@@ -99,7 +109,8 @@ def replay_diag(path):
         trained = replay.load(path, T, cfg)[0].to("cuda", torch.int64)[None]
         rows = torch.arange(T, device="cuda")
         sets = {"own top-n (random inputs)": own, "trained": trained, "trained, sorted": ascending(trained),
-                "shared by 64": trained[:, rows // 64 * 64], "shared by 512": trained[:, rows // 512 * 512]}
+                "shared by 64": trained[:, rows // 64 * 64], "shared by 512": trained[:, rows // 512 * 512],
+                "one set for all": one_set(trained, cfg.l_sel)}
         for name, idx in sets.items():
             f, b = bench(partial(fn.selected_attention, x[0], x[3], x[4], idx, cfg, backend="triton",
                                  check_indices=False), [x[0], x[3], x[4]], dO)
@@ -154,4 +165,4 @@ elif what == "varlen":
         both = do_bench(fb, warmup=50, rep=300)
         print(f"varlen N={N} {name}: fwd {fwd:.3f} ms, fwd+bwd {both:.3f} ms", flush=True)
 elif what == "replay":
-    replay_diag(sys.argv[2])
+    replay_diag(sys.argv[2], *([tuple(int(t) for t in sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
