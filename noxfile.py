@@ -3,6 +3,7 @@
     nox -s "tests(torch2.4+triton3.0)"   # one pairing, in its own virtualenv under .nox/
     nox -s tests                         # every pairing (downloads several GB for the CUDA wheels)
     nox -s local                         # the interpreter's own torch/triton; installs nothing
+    nox -s alone                         # each test file in a pytest process of its own
     nox -s lint                          # ruff check
 
 Each ``tests`` session pins torch and triton exactly, installs them first, then the project with a
@@ -13,8 +14,10 @@ the ``toolchain`` tag) and ``TRITON_INTERPRET=1`` (Triton kernels run on the CPU
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -115,6 +118,33 @@ def local(session: nox.Session) -> None:
     session.log(f"local toolchain: {toolchain} ({python})")
     session.env["PYTHONPATH"] = _pythonpath()
     _pytest(session, toolchain, python=python)
+
+
+@nox.session(venv_backend="none")
+def alone(session: nox.Session) -> None:
+    """Each test file in a pytest process of its own, on this interpreter (as ``local``), as many at once as the
+    machine has cores: a file that passes only after another file imported or configured something fails here.
+    ``nox -s alone -- FILE ...`` runs those files; none: every ``tests/test_*.py``. A file whose every test is
+    deselected on this machine (the GPU tests on a CPU) is listed as such, not as passed."""
+    files = session.posargs or sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TRITON_INTERPRET": "1"}
+
+    def run(f: str) -> tuple[str, int, float, str]:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        last = (p.stdout.strip().splitlines() or [""])[-1]
+        return f, p.returncode, time.monotonic() - t0, last if p.returncode in (0, 1, 5) else (p.stdout + p.stderr)[-2000:]
+
+    t0, failed, empty = time.monotonic(), [], []
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for f, rc, s, last in pool.map(run, files):
+            session.log(f"[alone] {f}: exit {rc} in {s:.0f}s: {last}")
+            (empty if rc == 5 else failed if rc else []).append(f)
+    session.log(f"[alone] {len(files)} files in {time.monotonic() - t0:.0f}s: {len(files) - len(failed) - len(empty)} "
+                f"passed, {len(failed)} failed, {len(empty)} ran no test here")
+    if failed:
+        session.error(f"fails alone: {' '.join(failed)}")
 
 
 def _pythonpath() -> str:

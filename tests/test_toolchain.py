@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,28 @@ def test_nox_pairings_match_supported_pairs():
     assert list(module.PAIRINGS) == [f"torch{t}+triton{tr}" for t, tr in SUPPORTED_PAIRS]
     for ident, pins in module.PAIRINGS.items():
         assert toolchain_id(pins["torch"], pins["triton"]) == ident
+
+
+def test_nox_alone_fails_a_file_that_passes_only_after_another(tmp_path):
+    """``nox -s alone`` (docs/toolchains.md) through nox's CLI: b passes after a (which imports what b checks)
+    in one pytest process, and fails in a process of its own; a file with no test is listed, not passed."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_a.py").write_text("import colorsys  # noqa: F401\n\n\ndef test_a():\n    assert True\n")
+    (tmp_path / "test_b.py").write_text("import sys\n\n\ndef test_b():\n    assert 'colorsys' in sys.modules\n")
+    (tmp_path / "test_c.py").write_text("X = 1\n")
+    files = [str(tmp_path / f"test_{x}.py") for x in "abc"]
+    together = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files[:2]],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert together.returncode == 0, together.stdout[-2000:]
+    p = subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "alone", "--", *files],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert f"[alone] {files[0]}: exit 0" in p.stderr and f"[alone] {files[1]}: exit 1" in p.stderr, p.stderr[-3000:]
+    assert f"[alone] {files[2]}: exit 5" in p.stderr, p.stderr[-3000:]
+    assert "3 files in" in p.stderr and "1 passed, 1 failed, 1 ran no test here" in p.stderr, p.stderr[-3000:]
+    assert re.search(rf"fails alone: {re.escape(files[1])} \(|fails alone: {re.escape(files[1])}$", p.stderr, re.M), p.stderr
 
 
 def test_dispatch_refuses_the_triton_backend_on_a_known_bad_pair(monkeypatch):
