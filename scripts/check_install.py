@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print("check_install: no pip install line in the README or docs/", file=sys.stderr)
         return 1
     failed = 0
-    for line in lines:
-        problems, summary = dry_run(line, args.cpu_wheels)
+    # The dry runs wait mostly on the index: all at once, reported in the documents' order.
+    with ThreadPoolExecutor(len(lines)) as pool:
+        results = list(pool.map(lambda ln: dry_run(ln, args.cpu_wheels), lines))
+    for line, (problems, summary) in zip(lines, results):
         where = "fresh venv" if line.fresh else "on top of the Quickstart"
         if problems:
             failed += 1

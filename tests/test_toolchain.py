@@ -112,6 +112,7 @@ def test_nox_pairings_match_supported_pairs():
         assert toolchain_id(pins["torch"], pins["triton"]) == ident
 
 
+@pytest.mark.slow  # processes: not the quick tier's
 def test_nox_alone_fails_a_file_that_passes_only_after_another(tmp_path):
     """``nox -s alone`` (docs/toolchains.md) through nox's CLI: b passes after a (which imports what b checks)
     in one pytest process, and fails in a process of its own; a file with no test is listed, not passed."""
