@@ -186,3 +186,20 @@ def test_gradcheck_nsa_attention_all_branches():
     grads = torch.autograd.grad(f(*args).square().sum(), args)
     for name, g in zip(ARG_ORDER, grads, strict=True):
         assert g.abs().max() > 1e-6, name
+
+
+@pytest.mark.slow  # a process of its own: not the quick tier's
+def test_a_layer_on_the_meta_device_leaves_dynamo_unimported():
+    """The memory estimates build the layer on the meta device: that must not import torch._dynamo (a meta
+    multiply's Python kernel does, on its first call), which every decode and prefill run would pay for."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom nsa import NSAAttention, NSAConfig\nwith torch.device('meta'):\n"
+            "    n = sum(p.numel() for p in NSAAttention(NSAConfig(dim=64, n_heads=4, n_kv_heads=2, d_k=16, d_v=16,"
+            " l=8, d=4, l_sel=8, n_sel=4, w=16, phi='mlp')).parameters())\n"
+            "print(n, 'torch._dynamo' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    n, imported = p.stdout.split()
+    assert int(n) > 0 and imported == "False", p.stdout
