@@ -52,10 +52,10 @@ class PhiMLP(nn.Module):
 
     def __init__(self, l: int, D: int, hidden: int):  # noqa: E741
         super().__init__()
-        pe = torch.randn(l, D)
-        # On the meta device (parameter counts, memory estimates) there is no value to scale, and a meta
-        # tensor's multiply runs a Python kernel whose first call imports torch._dynamo (1-2 s of a CLI's start).
-        self.pe = nn.Parameter(pe if pe.is_meta else pe * 0.02)
+        pe = torch.empty(l, D)
+        # On the meta device (parameter counts, memory estimates) there is no value to draw: a meta randn and
+        # multiply run Python kernels whose first calls cost ~2 s of a CLI's start (torch._dynamo's import).
+        self.pe = nn.Parameter(pe if pe.is_meta else torch.randn(l, D) * 0.02)
         self.fc1 = nn.Linear(l * D, hidden)
         self.fc2 = nn.Linear(hidden, D)
 
