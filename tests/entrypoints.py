@@ -65,13 +65,15 @@ def env(**extra: str) -> dict:
 
 
 def start(tmp: Path, entry: str, *args: str, name: str | None = "x", template: Path | None = None,
-          store: bool = True, extra_env: dict | None = None, repo: Path = REPO) -> subprocess.Popen:
+          store: bool = True, extra_env: dict | None = None, repo: Path = REPO,
+          driver: str | None = None) -> subprocess.Popen:
     """Run an entry point in tmp (its cwd) into tmp/mlflow.db (``store=False``: the store the
     arguments or the environment choose); Hydra's dirs: tmp/out/<name>, or the configured default
-    (tmp/outputs/...) when name is None."""
+    (tmp/outputs/...) when name is None. ``driver``: Python code run with ``-c`` instead of ``-m``, which
+    runs the entry point itself (:func:`start_dropping_sigterm`)."""
     if template is not None and not (tmp / "mlflow.db").exists():
         shutil.copy(template, tmp / "mlflow.db")  # an initialized store: skips MLflow's table creation
-    cmd = [sys.executable, "-m", f"experiments.{entry}", *args]
+    cmd = [sys.executable, *(["-c", driver] if driver else ["-m", f"experiments.{entry}"]), *args]
     if store:
         cmd.append(f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}")
     if name is not None:
@@ -80,6 +82,46 @@ def start(tmp: Path, entry: str, *args: str, name: str | None = "x", template: P
     e["PYTHONPATH"] = str(repo) + os.pathsep + e["PYTHONPATH"]
     return subprocess.Popen(cmd, cwd=tmp, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_signals)
+
+
+# The entry point, with ``target`` (``module:function``) wrapped: its ``call``-th call first drops a SIGTERM. The
+# process signals itself from inside a finalizer, so the handler's exception is raised there, where Python
+# prints it ("Exception ignored") and goes on: what a real signal meets when it lands while the garbage
+# collector runs a weakref callback (SQLAlchemy's). experiments/framework/cli.py raises it again.
+DROP_SIGTERM = """
+import importlib, os, runpy, signal, sys, weakref
+
+module = importlib.import_module({module!r})
+real, calls = getattr(module, {function!r}), 0
+
+
+def dropped():
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def wrapped(*args, **kw):
+    global calls
+    calls += 1
+    if calls == {call}:
+        class Held:
+            pass
+        held = Held()
+        weakref.finalize(held, dropped)
+        del held
+    return real(*args, **kw)
+
+
+setattr(module, {function!r}, wrapped)
+sys.argv[0] = {entry!r}
+runpy.run_module({entry!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+def start_dropping_sigterm(tmp: Path, entry: str, target: str, call: int, *args: str, **kw) -> subprocess.Popen:
+    """:func:`start`, the SIGTERM dropped at ``target``'s ``call``-th call (:data:`DROP_SIGTERM`)."""
+    module, function = target.split(":")
+    code = DROP_SIGTERM.format(module=module, function=function, call=call, entry=f"experiments.{entry}")
+    return start(tmp, entry, *args, driver=code, **kw)
 
 
 def default_signals() -> None:

@@ -147,47 +147,19 @@ def test_first_sweeps_at_once_lose_nothing(races, n, trial):
     assert {r.info.status for r in rs} == {"FINISHED"}
 
 
-# decode, with a SIGTERM sent from inside a finalizer at each timed measurement: its handler's exception is
-# raised there, where Python prints it ("Exception ignored") and goes on. That happens to a real signal
-# that lands while the garbage collector runs a weakref callback (SQLAlchemy's, in CI).
-DROPPED = """
-import os, runpy, signal, sys, weakref
-from experiments.measure import timing
-
-real = timing.time_ms
-
-def dropped():
-    os.kill(os.getpid(), signal.SIGTERM)
-
-def time_ms(*args, **kw):
-    class Held: pass
-    held = Held()
-    weakref.finalize(held, dropped)
-    del held
-    return real(*args, **kw)
-
-timing.time_ms = time_ms
-sys.argv[0] = "experiments.decode"
-runpy.run_module("experiments.decode", run_name="__main__", alter_sys=True)
-"""
-
-
 def test_a_signal_python_drops_still_ends_the_sweep_killed(tmp_path):
     """The signal's exception dropped in a finalizer in job 0 still stops the sweep: that job and the parent
     end KILLED, job 1 never starts, the exit code is 143."""
     entrypoints.make_template(tmp_path / "mlflow.db")
-    args = ["hardware=cpu", "-m", "seq=64,128", "model.timing.repeats=2", "decode.per_branch=false",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
-    e = entrypoints.env()
-    e["PYTHONPATH"] = str(REPO) + ":" + e["PYTHONPATH"]
-    p = subprocess.run([sys.executable, "-c", DROPPED, *args], cwd=tmp_path, env=e, capture_output=True, text=True,
-                       timeout=300, preexec_fn=entrypoints.default_signals)
-    assert "Exception ignored" in p.stderr and "Interrupted: SIGTERM" in p.stderr, p.stderr[-3000:]  # it was dropped
-    assert p.returncode == 143, p.stderr[-3000:]
+    rc, out, err = wait(entrypoints.start_dropping_sigterm(
+        tmp_path, "decode", "experiments.measure.timing:time_ms", 1,
+        "hardware=cpu", "-m", "seq=64,128", "model.timing.repeats=2", "decode.per_branch=false", name=None))
+    assert "Exception ignored" in err and "Interrupted: SIGTERM" in err, err[-3000:]  # it was dropped
+    assert rc == 143, err[-3000:]
     c, rs = entrypoints.runs(tmp_path / "mlflow.db", "decode")
     (parent,) = [r.info.run_id for r in rs if "mlflow.parentRunId" not in r.data.tags]
     (child,) = [r for r in rs if "mlflow.parentRunId" in r.data.tags]
-    assert one_line(p.stderr)[-1] == f"[decode] interrupted by SIGTERM: run(s) {child.info.run_id}, {parent} ended KILLED"
+    assert one_line(err)[-1] == f"[decode] interrupted by SIGTERM: run(s) {child.info.run_id}, {parent} ended KILLED"
     assert {r.info.status for r in rs} == {"KILLED"} and child.data.params["seq"] == "64"
 
 

@@ -303,46 +303,19 @@ def test_job_folder_names_fit_one_path_component():
     assert "subdir: ${nsa_dirname:${hydra.job.override_dirname}}" in (entrypoints.REPO / "conf" / "train.yaml").read_text()
 
 
-# experiments.train, with a SIGTERM sent from inside a finalizer at update step 3: its handler's exception is
-# raised there, where Python prints it ("Exception ignored") and goes on (experiments/framework/cli.py).
-DROPPED_AT_STEP = """
-import os, runpy, signal, sys, weakref
-from experiments.lm import loop
-
-real = loop.recipe_weight
-
-def dropped():
-    os.kill(os.getpid(), signal.SIGTERM)
-
-def recipe_weight(cfg, step, seq_len):
-    if step == 3:
-        class Held: pass
-        held = Held()
-        weakref.finalize(held, dropped)
-        del held
-    return real(cfg, step, seq_len)
-
-loop.recipe_weight = recipe_weight
-sys.argv[0] = "experiments.train"
-runpy.run_module("experiments.train", run_name="__main__", alter_sys=True)
-"""
-
-
 def test_a_signal_python_drops_still_stops_training_killed(tmp_path):
     """The signal's exception dropped in a finalizer during step 3 stops the run at the next step: exit 143,
     the run KILLED at step 3 of 40, not FINISHED."""
     entrypoints.make_template(tmp_path / "mlflow.db")
-    args = ["train=smoke", "train.steps=40", "train.log_every=1", "train.eval_every=1000", "train.ckpt_every=1000",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"hydra.run.dir={tmp_path / 'out'}"]
-    e = entrypoints.env()
-    e["PYTHONPATH"] = str(entrypoints.REPO) + os.pathsep + e["PYTHONPATH"]
-    p = subprocess.run([sys.executable, "-c", DROPPED_AT_STEP, *args], cwd=tmp_path, env=e, capture_output=True,
-                       text=True, timeout=300, preexec_fn=entrypoints.default_signals)
-    assert "Exception ignored" in p.stderr and "Interrupted: SIGTERM" in p.stderr, p.stderr[-3000:]  # it was dropped
-    assert p.returncode == 143, p.stderr[-3000:]
+    # recipe_weight is called once a step, its third call in update step 3
+    rc, out, err = wait(entrypoints.start_dropping_sigterm(
+        tmp_path, "train", "experiments.lm.loop:recipe_weight", 3,
+        "train=smoke", "train.steps=40", "train.log_every=1", "train.eval_every=1000", "train.ckpt_every=1000"))
+    assert "Exception ignored" in err and "Interrupted: SIGTERM" in err, err[-3000:]  # it was dropped
+    assert rc == 143, err[-3000:]
     (run,) = entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
     assert run.info.status == "KILLED", run.info.status
-    assert one_line(p.stderr)[-1] == f"[train] interrupted by SIGTERM: run(s) {run.info.run_id} ended KILLED"
+    assert one_line(err)[-1] == f"[train] interrupted by SIGTERM: run(s) {run.info.run_id} ended KILLED"
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     steps = [m.step for m in c.get_metric_history(run.info.run_id, "loss")]
     assert steps and max(steps) == 3, steps  # step 3 ran to its end, step 4 never started
