@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from nsa import dispatch
@@ -112,20 +113,52 @@ def _hydra():
         return None
 
 
+# What the single run's output folder held before this process made it (RunDirWatch, Hydra's on_run_start, which
+# runs before Hydra creates the folder): None where no run started here; else (the topmost folder this process
+# creates, or None where the run dir was already there; the names the run dir held then).
+_run_dir_before: tuple[Path | None, frozenset] | None = None
+
+
+class RunDirWatch(Callback):
+    """A Hydra callback (conf/common.yaml ``hydra.callbacks``): notes, before Hydra makes a single run's output
+    folder, which of it already exists, so that :func:`remove_empty_output_dir` removes only what this process
+    made (a user's ``hydra.run.dir=logs`` or ``hydra.run.dir=.`` keeps its files)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        global _run_dir_before
+        out = Path(str(OmegaConf.select(config, "hydra.run.dir"))).absolute()
+        top = None
+        for p in (out, *out.parents):
+            if p.exists():
+                break
+            top = p
+        _run_dir_before = (top, frozenset(q.name for q in out.iterdir()) if out.is_dir() else frozenset())
+
+
 def remove_empty_output_dir(hc) -> None:
-    """A single run stopped by a config error leaves no files: drop Hydra's run dir if it holds only
-    its own .hydra/ and the (empty) log file."""
-    out, top = Path(hc.runtime.output_dir).absolute(), Path(hc.runtime.cwd).absolute()
-    if out.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in out.iterdir()):
-        shutil.rmtree(out, ignore_errors=True)
-        # the folders Hydra made above it (outputs/<entry>/), each only if now empty, up to the launch dir
-        for up in out.parents:
-            if up == top or top not in up.parents:
-                break
-            try:
-                up.rmdir()
-            except OSError:
-                break
+    """A single run stopped by a config error leaves no files: what this process made in Hydra's run dir (its
+    .hydra/ and the log file) goes, then the folders it made, each only if now empty. Nothing is removed that was
+    there before the run started (RunDirWatch), nor anything where that is unknown."""
+    global _run_dir_before
+    before, _run_dir_before = _run_dir_before, None
+    if before is None:
+        return
+    top, had = before
+    out = Path(hc.runtime.output_dir).absolute()
+    if not out.is_dir():
+        return
+    for p in out.iterdir():
+        if p.name not in had and (p.name == ".hydra" or p.suffix == ".log"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    if top is None:
+        return
+    for up in (out, *out.parents):  # the folders this process made, from the run dir up to the topmost
+        try:
+            up.rmdir()
+        except OSError:
+            break
+        if up == top:
+            break
 
 
 def identity(job: Job) -> list[tuple[str, str | None]]:

@@ -2,7 +2,10 @@
 
 ``save`` writes ``<dir>/.last.pt.tmp``, flushes it to disk and renames it over ``<dir>/last.pt``
 (``os.replace`` is atomic on POSIX): a process killed at any moment leaves either the previous
-checkpoint or the new one, never a torn file. A write that fails (a full disk) removes the temporary
+checkpoint or the new one, never a torn file. Every checkpoint carries ``digest``, a BLAKE2b hash of each
+tensor's bytes (with its dtype and shape) and of every other value, in order; :func:`load` recomputes it
+and raises :class:`Unreadable` where a byte changed (a checkpoint written before digests has none, and is
+read as it is). A write that fails (a full disk) removes the temporary
 file, keeps the previous checkpoint and raises :class:`CheckpointWriteError` naming the file and the
 cause. ``peek`` reads only what an entry point needs to reopen the run (its ``run_id`` and ``step``)
 without loading the tensors into memory. A ``last.pt`` that is not a whole checkpoint (empty,
@@ -11,6 +14,7 @@ truncated, corrupt) raises :class:`Unreadable`, saying which.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import shutil
@@ -48,13 +52,41 @@ def _os_error(e: BaseException | None) -> OSError | None:
     return None
 
 
+def _leaves(obj, where: str = ""):
+    """``(path, value)`` of every tensor and plain value of a checkpoint's state, in its order."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if where or k != "digest":
+                yield from _leaves(v, f"{where}/{k!r}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{where}[{i}]")
+    else:
+        yield where, obj
+
+
+def digest(state: dict) -> str:
+    """The hash of a checkpoint's state (the module docstring): hex BLAKE2b of its tensors' bytes and its values."""
+    h = hashlib.blake2b(digest_size=32)
+    for where, v in _leaves(state):
+        h.update(where.encode())
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
+        else:
+            h.update(repr(v).encode())
+    return h.hexdigest()
+
+
 def save(ckpt_dir, state: dict) -> Path:
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
     final, tmp = d / NAME, d / f".{NAME}.tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
+            whole = {"format": FORMAT, **state}
+            torch.save({**whole, "digest": digest(whole)}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -99,6 +131,9 @@ def load(ckpt_dir, map_location="cpu", mmap: bool = False) -> dict | None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{p}: checkpoint format {found!r}, this code reads {FORMAT}")
+    if "digest" in state and digest(state) != state["digest"]:
+        raise Unreadable(f"{p}: a corrupt checkpoint ({p.stat().st_size} bytes; its contents differ from the digest "
+                         "written with them)")
     return state
 
 
