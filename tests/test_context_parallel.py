@@ -106,8 +106,8 @@ def _triton_body(rank: int, world: int, T: int, out: str) -> None:
 
 @pytest.mark.usefixtures("fast_interpreter")
 def test_context_parallel_on_the_triton_backend(tmp_path):
-    """Each rank's branches on the triton kernels (the interpreter, float32) at its q_start: the output equals
-    the kernels on the whole sequence, and the gradients too, to float32 rounding (the all-gather's backward
+    """Each rank's branches on the triton kernels (the interpreter, float32) at its q_start: the output and the
+    gradients equal the kernels' on the whole sequence to float32 rounding (the all-gather's backward
     sums the ranks' parts in another order)."""
     pytest.importorskip("triton")
     world, T = 2, 40
@@ -119,7 +119,9 @@ def test_context_parallel_on_the_triton_backend(tmp_path):
                                  functional.compress(full["v_cmp_raw"], cfg), full["k_sel"], full["v_sel"],
                                  full["k_win"], full["v_win"], full["gates"], cfg, backend="triton")
     (o * weight.float()).sum().backward()
-    torch.testing.assert_close(cp.unshard([p["o"] for p in parts]), o.detach(), rtol=0, atol=0)
+    # float32 rounding: the interpreter's dots (numpy) sum a rank's 10-row tiles and the whole sequence's in
+    # orders that differ on some CPUs (2.4e-7 at most, seen on a 2-core machine); a wrong row or block is O(1)
+    torch.testing.assert_close(cp.unshard([p["o"] for p in parts]), o.detach(), rtol=1e-5, atol=1e-6)
     for n in NAMES:
         torch.testing.assert_close(cp.unshard([p["grads"][n] for p in parts]), full[n].grad, rtol=1e-5, atol=1e-5,
                                    msg=n)
