@@ -14,10 +14,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 
 @contextlib.contextmanager
-def bar(total: int, desc: str, unit: str, initial: int = 0) -> Iterator[tqdm]:
+def bar(total: int, desc: str, unit: str, initial: int = 0, shown: bool = True) -> Iterator[tqdm]:
     """A bar of ``total`` ``unit``s (``initial`` already done, e.g. a resumed run's steps); ``update(n)``
-    moves it. Removed when done (``leave=False``): the log's last lines stay the run's summary."""
-    with tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=None, leave=False, dynamic_ncols=True) as b:
+    moves it. Removed when done (``leave=False``): the log's last lines stay the run's summary. ``shown=False``:
+    never drawn (the ranks of a training but rank 0: one bar for the job)."""
+    with tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=None if shown else True, leave=False,
+              dynamic_ncols=True) as b:
         if b.disable:
             yield b
         else:

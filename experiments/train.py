@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from pathlib import Path
 
 import hydra
 import torch
@@ -40,7 +41,8 @@ from nsa.numerics import DTYPES
 from .framework import Charts, ConfigError, Job, Result, launch, run_job
 from .framework.cli import override
 from .framework.config import one_line
-from .lm import checkpoint, selections
+from .framework import parallel
+from .lm import checkpoint, distributed, selections
 from .lm.config import RunConfig
 from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
@@ -58,6 +60,9 @@ def run_config(job: Job) -> RunConfig:
         if key in job.cfg:
             raise ValueError(f"{key}: not an option of experiments.train (its model: lm=..., attention=...)")
     cfg = RunConfig.from_conf(job.cfg, backend=job.plan, fallback=job.fallback, dtype=job.dtype)
+    if parallel.torchrun_world() is not None and cfg.attention == "nsa" and cfg.train.save_selections:
+        raise ValueError("train.save_selections=true: runs in one process, not under torchrun; resume the checkpoint "
+                         "in one process (python -m experiments.train ...) to save them")
     if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
         from .lm.hf import check
         check(cfg.lm, cfg.attention, cfg.train.ablation.selection, cfg.stages()[-1][1].vocab_size)
@@ -129,25 +134,43 @@ def save_selections(job: Job, cfg: RunConfig, model) -> None:
 
 
 def work(job: Job) -> Result:
+    """The job's training. Under torchrun every rank runs it (:mod:`experiments.lm.distributed`): rank 0 holds the
+    run (``job.run``) and the others none; they share rank 0's checkpoint folder, run id and logged step."""
     cfg = run_config(job)
     tc, run, ckpt = cfg.train, job.run, job.out_dir / "ckpt"
-    run.log_params({f"n_params.{k}": v for k, v in parameter_counts(cfg).items()})
-    done = max((s for s, _ in run.history("loss")), default=0)
+    world = None
+    if job.cp is not None:  # torchrun: the process group is up (framework.job), here its dp x cp mesh
+        world = distributed.World.create(cfg.dp, cfg.cp, job.device)
+        ckpt = Path(world.same(str(ckpt)))
+    if run is not None:
+        run.log_params({f"n_params.{k}": v for k, v in parameter_counts(cfg).items()})
+        if world is not None:
+            run.log_params({"world_size": world.size})
+    done = max((s for s, _ in run.history("loss")), default=0) if run is not None else 0
+    run_id = run.id if run is not None else None
+    if world is not None:
+        done, run_id = world.same(done), world.same(run_id)
     found = resumable(cfg, ckpt)
-    if found:
-        log.info(f"[train] resuming run {run.id} from its checkpoint at step {found['step']} "
-                 f"(steps logged: {done}; those after the checkpoint are recomputed, not logged again)")
-    log.info(f"[train] {cfg.attention} on {cfg.data['task']} (seq {job.seq}), {tc.steps} steps; output {job.out_dir}; "
-             f"resume after a crash: the same command with {resume_args(job)}")
+    if run is not None:
+        if found:
+            log.info(f"[train] resuming run {run.id} from its checkpoint at step {found['step']} "
+                     f"(steps logged: {done}; those after the checkpoint are recomputed, not logged again)")
+        over = f" over {world.size} processes (dp={world.dp} x cp={world.cp})" if world is not None else ""
+        log.info(f"[train] {cfg.attention} on {cfg.data['task']} (seq {job.seq}), {tc.steps} steps{over}; output "
+                 f"{job.out_dir}; resume after a crash: the same command with {resume_args(job)}")
 
     def log_step(metrics: dict, step: int) -> None:
+        if run is None:  # a rank > 0: rank 0 logs the reduced figures
+            return
         run.log_metrics(metrics, step)
         if "val_loss" in metrics or step == tc.steps:
             log.info(f"[train] step {step}/{tc.steps}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f}"
                      + (f" val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f}"
                         if "val_loss" in metrics else "") + f", {metrics['tokens_per_s']:.0f} tokens/s")
 
-    out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run.id, logged_through=done)
+    out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run_id, logged_through=done, world=world)
+    if run is None:
+        return Result([], {})
     if tc.save_selections and cfg.attention == "nsa" and out["completed"]:
         save_selections(job, cfg, out["model"])
     texts = {}
@@ -160,6 +183,8 @@ def work(job: Job) -> Result:
     row = {"attention": cfg.attention, "lm": cfg.lm.name, "task": cfg.data["task"], "seq_len_tokens": job.seq,
            "steps": out["step"], "steps_planned": tc.steps, **head,
            **{f"n_params_{k}": v for k, v in out["params"].items()}}
+    if world is not None:
+        row.update(world_size=world.size, dp=world.dp, cp=world.cp)
     failure = None
     if not out["completed"]:
         failure = (f"stopped by train.time_limit_s={tc.time_limit_s:g} after step {out['step']} of {tc.steps}; "

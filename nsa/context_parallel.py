@@ -17,7 +17,7 @@ keys/values of each branch ``[B,2C,H,D]``, the compression branch's *raw* keys/v
 (``k_cmp_raw``, ``v_cmp_raw``: rotated as the module rotates them, before phi).
 
 Each rank all-gathers the raw keys and values (small under GQA: H heads, not HQ;
-``torch.distributed.nn.functional.all_gather``, whose backward reduce-scatters their gradients), runs
+(:func:`gather_sequence`, whose backward reduce-scatters their gradients: on gloo an all-reduce), runs
 the compression phi (Eq. 7) over the whole sequence itself, and attends with each of its two query chunks
 through :func:`nsa.functional.nsa_attention` at its position (``q_start``), over the keys up to the
 chunk's end. Outputs and every gradient equal the single-device computation (tests/test_context_parallel.py:
@@ -88,11 +88,37 @@ def unshard(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(order, dim)
 
 
+class _AllGather(torch.autograd.Function):
+    """``x`` of every rank of ``group``, stacked ``[world, ...]``; the backward hands each rank the sum over the
+    ranks of its part's gradient: a reduce-scatter on NCCL, an all-reduce on gloo (which has no reduce-scatter).
+    torch.distributed.nn's all_gather is not used: on gloo its backward scatters from global ranks, which fails
+    in a subgroup without rank 0 (the cp groups of a dp x cp mesh)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            out = torch.empty_like(grad[0])
+            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            return out, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """The whole sequence of ``x`` (this rank's part) from every rank, differentiable."""
-    import torch.distributed.nn.functional as dist_fn
-
-    return unshard(list(dist_fn.all_gather(x, group=group)))
+    return unshard(list(_AllGather.apply(x, group).unbind(0)))
 
 
 @dataclass(frozen=True)
@@ -190,4 +216,26 @@ def nsa_attention(q, k_cmp_raw, v_cmp_raw, k_sel, v_sel, k_win, v_win, gates, co
     return torch.cat(outs, 1)
 
 
-__all__ = ["nsa_attention", "positions", "shard", "unshard"]
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, scale=None) -> torch.Tensor:
+    """Dense causal grouped-query attention of this rank's part of one sequence, by the same all-gather: q
+    ``[B,2C,HQ,D]``, k/v ``[B,2C,H,D]`` (this rank's two chunks, :func:`shard`'s layout) -> ``[B,2C,HQ,Dv]``.
+    Each query chunk [a, e) attends to the gathered keys [0, e), query a + i to keys up to a + i (the causal mask
+    aligned to the last key); the gradients of k and v reach their ranks through the all-gather's backward."""
+    import torch.distributed as dist
+
+    from .compat import sdpa_gqa
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    C = _chunks(q.shape[1] * world, world)
+    k_all, v_all = gather_sequence(k, group), gather_sequence(v, group)
+    outs = []
+    for half, pos in ((0, rank), (1, 2 * world - 1 - rank)):
+        a, end = pos * C, (pos + 1) * C
+        rows = torch.arange(a, end, device=q.device)[:, None] >= torch.arange(end, device=q.device)[None, :]
+        o = sdpa_gqa(q[:, half * C:(half + 1) * C].transpose(1, 2), k_all[:, :end].transpose(1, 2),
+                     v_all[:, :end].transpose(1, 2), attn_mask=rows, scale=scale)
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, 1)
+
+
+__all__ = ["causal_attention", "nsa_attention", "positions", "shard", "unshard"]

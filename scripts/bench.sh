@@ -39,6 +39,7 @@ sel-kernels|experiments.kernels op=OP (default selection) at SEQS (default 8192,
 sel-layer|the whole layer beside flash_nsa, backend.cmp=CMP (default triton) at LAYER_SEQS (default 8192,65536) over LAYER_SWEEP; AB: before/after
 train-attn|prefill at lm=small'"'"'s attention shape per SHAPES (seq:batch, default "2048:16 8192:4 32768:1"); PROFILE=true adds the kernel tables; ATTN_ARGS; AB
 train-shapes|experiments.train needles32k, NSA and dense, each SHAPES stage alone for TRAIN_STEPS (default 60) steps; TRAIN_ARGS (e.g. train.compile=reduce-overhead); AB
+train-fsdp|experiments.train needles32k'"'"'s 32k stage alone for FSDP_STEPS (default 100) steps, ATTN (default nsa,dense): one process, then the same under torchrun --nproc_per_node 1 (FSDP2, DCP, the sharded data path), REPEAT (default 2) times alternating; TRAIN_ARGS; AB: the torchrun rows before/after
 train|experiments.train train=TRAIN (default needles32k) -m attention=ATTN (default nsa,dense); TRAIN_ARGS
 train-jobs|experiments.train jobs side by side, one per line "<name> <overrides>" of the file JOBS (default scripts/train_jobs/recipe_seeds.txt), pinned to the GPUs round robin, each into $OUT/runs/<name>.db (LIMIT_S, default 540 s each); a table of them (scripts/train_summary.py) in $OUT/summary.csv
 train-sweep|experiments.train -m TRAIN (default train=text8k) attention=ATTN (default nsa,dense) seed=SEEDS (default 0,1,2,3,4) on hydra/launcher=local_gpus, JOBS_PER_GPU (default 3) jobs sharing each GPU, one parent run in $OUT/train_sweep.db (the curves on one chart; LIMIT_S default 570 s); SWEEP_ARGS adds overrides
@@ -237,6 +238,24 @@ step_train_shapes() {
         -m attention=nsa,dense "train.curriculum=[]" data.seq_len="$S" data.gap="$(( S >= 32768 ? 2048 : S / 4 ))" \
         train.batch="$B" train.steps="$N" train.log_every="${LOG_EVERY:-10}" train.eval_batches=0 train.ckpt_every="$N" \
         train.warmup=10 train.time_limit_s=200 ${TRAIN_ARGS:-}
+    done
+  done
+}
+step_train_fsdp() {
+  local a r tt N=${FSDP_STEPS:-100}
+  local args=(hardware="$HW" train=needles32k "train.curriculum=[]" train.steps="$N" train.log_every=10 train.eval_batches=0
+              train.ckpt_every="$N" train.warmup=10 train.time_limit_s=240)
+  local attn=${ATTN:-nsa,dense}
+  for a in ${attn//,/ }; do
+    for r in $(seq "${REPEAT:-2}"); do
+      # shellcheck disable=SC2086  # TRAIN_ARGS holds several overrides
+      run 300 "fsdp_plain" "$PWD" python3 -- -m experiments.train "${args[@]}" attention="$a" ${TRAIN_ARGS:-} \
+        hydra.run.dir="/tmp/fsdp/plain_${a}_$r"
+      for tt in "${trees[@]}"; do
+        # shellcheck disable=SC2086
+        run 300 "fsdp_torchrun${tt#*:}" "${tt%%:*}" torchrun --standalone --nproc_per_node 1 -- -m experiments.train \
+          "${args[@]}" attention="$a" parallel.dp=1 ${TRAIN_ARGS:-} hydra.run.dir="/tmp/fsdp/torchrun_${a}_$r${tt#*:}"
+      done
     done
   done
 }

@@ -51,6 +51,12 @@ def documented_commands() -> list[str]:
     return sorted(cmds)
 
 
+def documented_torchrun() -> list[str]:
+    """Every ``torchrun ... -m experiments.<entry> ...`` line of the README's and docs/' shell blocks."""
+    blocks = re.findall(r"```bash\n(.*?)```", doc_text(), re.S)
+    return sorted({ln.strip() for b in blocks for ln in b.splitlines() if ln.strip().startswith("torchrun ")})
+
+
 def argv(cmd: str) -> tuple[list[str], dict]:
     """A documented command's arguments after ``python``, and the environment it names."""
     env = {"TRITON_INTERPRET": "1"} if cmd.startswith(INTERPRET) else {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import entrypoints
 import pytest
-from entrypoints import one_line, runs, start, wait
+from entrypoints import documented_torchrun, one_line, runs, start, wait
 
 from experiments.framework import parallel
 from experiments.framework.config import ConfigError
@@ -135,21 +135,17 @@ def test_the_rule(monkeypatch):
         parallel.check_job(2, 64, "sel")
 
 
-def documented_torchrun() -> list[str]:
-    """Every ``torchrun ... -m experiments.<entry> ...`` line of the README's and docs/' shell blocks."""
-    blocks = re.findall(r"```bash\n(.*?)```", entrypoints.doc_text(), re.S)
-    return sorted({ln.strip() for b in blocks for ln in b.splitlines() if ln.strip().startswith("torchrun ")})
-
-
 @pytest.mark.parametrize("line", documented_torchrun())
 def test_documented_torchrun_lines_compose(line):
     """The GPU lines (hardware=h100, 4 ranks) cannot run here; their arguments compose through the real CLI
-    (``--cfg job``: a typo'd key or group fails in one line), and --nproc_per_node equals parallel.cp."""
+    (``--cfg job``: a typo'd key or group fails in one line), and --nproc_per_node equals parallel.dp x parallel.cp
+    (parallel.cp alone outside experiments.train)."""
     launcher, rest = line.split(" -m experiments.", 1)
     entry, *args = rest.split()
-    nproc = re.search(r"--nproc_per_node (\d+)", launcher).group(1)
-    assert f"parallel.cp={nproc}" in args, line
+    nproc = int(re.search(r"--nproc_per_node (\d+)", launcher).group(1))
+    dp, cp = (int(next((a.split("=")[1] for a in args if a.startswith(f"parallel.{k}=")), 1)) for k in ("dp", "cp"))
+    assert dp * cp == nproc and (entry == "train" or f"parallel.cp={nproc}" in args), line
     p = subprocess.run([sys.executable, "-m", f"experiments.{entry}", *args, "--cfg", "job"], cwd=entrypoints.REPO,
                        env=entrypoints.env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert re.search(rf"^parallel:\n(  .*\n)*  cp: {nproc}$", p.stdout, re.M), p.stdout[-2000:]
+    assert re.search(rf"^parallel:\n  dp: {dp}\n  cp: {cp}$", p.stdout, re.M), p.stdout[-2000:]

@@ -266,7 +266,7 @@ def test_an_ablated_runs_checkpoint_resumes_it(tmp_path):
     run = run_config("train.ablation.selection=full", "train.ablation.branches=[sel,cmp]")
     checkpoint.save(tmp_path, {"config": run.to_dict()})
     _check_config(checkpoint.load(tmp_path), run)
-    with pytest.raises(ValueError, match=r"train.ablation.branches \(\('cmp', 'sel'\) -> \('cmp', 'sel', 'win'\)\)"):
+    with pytest.raises(ValueError, match=r"train.ablation.branches \(\['cmp', 'sel'\] -> \['cmp', 'sel', 'win'\]\)"):
         _check_config(checkpoint.load(tmp_path), run_config("train.ablation.selection=full"))
 
 

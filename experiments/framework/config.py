@@ -100,6 +100,7 @@ _PREFILL_PEERS = f"a list of peer names from: {', '.join(PREFILL_PEERS)}"
 _PEER_NAMES = {_PEERS: PEERS, _PREFILL_PEERS: PREFILL_PEERS}  # rule -> the names it allows
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE_OR_NULL, "parallel.cp": _INT1,
+    "parallel.dp": _INT1,
     "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
     "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
     "decode.peers": _PEERS,
@@ -318,7 +319,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None
     if "parallel" in cfg:
         from . import parallel
 
-        parallel.check_job(cfg.parallel.cp, seq, branch, device)
+        parallel.check_job(cfg.parallel.cp, seq, branch, device, dp=cfg.parallel.get("dp", 1))
     if here:
         if entry == "kernels" and device.type == "cpu" and not env.triton_interpret():
             raise ConfigError(kernels_on_cpu(cfg))  # the backends' hint (another backend, a fallback) does not apply
@@ -348,7 +349,7 @@ def _resolved(cfg: DictConfig, entry: str) -> DictConfig:
     if "parallel" in cfg:  # parallel.cp > 1 only under torchrun with WORLD_SIZE == cp (experiments/framework/parallel.py)
         from . import parallel
 
-        parallel.check(cfg.parallel.cp, entry)
+        parallel.check(cfg.parallel.cp, entry, dp=cfg.parallel.get("dp", 1))
     if "tuning" in cfg:
         check_tuning(cfg.tuning)
     return cfg

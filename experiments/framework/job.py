@@ -280,7 +280,7 @@ def _run_work(job: Job, work: Callable[[Job], Result], choices: dict, earlier, k
         cli.raise_if_interrupted()
         if _cp(job):
             job.cp = parallel.init(job.device)
-            log.info(f"{head}: context parallel over {job.cp.world} ranks ({job.cp.backend}); rank 0 logs this run")
+            log.info(f"{head}: {job.cp.world} processes ({job.cp.backend}); rank 0 logs this run")
         _log_start(job, choices, earlier, key)
         for n in job.policy_notes:
             log.info(f"{head}: backend policy {n}")
@@ -386,8 +386,8 @@ def closing(store, rid: str, out_dir: Path, launch_dir: Path, cpu_times: bool) -
 
 
 def _cp(job: Job) -> bool:
-    """The job runs context parallel (parallel.cp > 1, under torchrun: config.prepare checked)."""
-    return int(OmegaConf.select(job.cfg, "parallel.cp", default=1)) > 1
+    """The job runs over a process group (parallel.distributed: config.prepare checked the launch)."""
+    return parallel.distributed(job.cfg, job.entry)
 
 
 def _other_rank(job: Job, entry: str, work: Callable[[Job], Result]) -> None:

@@ -1,4 +1,5 @@
-"""Context parallelism in the entry points (``parallel.cp``): the launch rule, the process group, the ranks.
+"""Several processes of one job in the entry points (``parallel.cp``; ``parallel.dp`` for training): the launch
+rule, the process group, the ranks.
 
 ``torchrun --nproc_per_node N -m experiments.<entry> parallel.cp=N ...`` starts N processes; each runs the
 entry point's job on its part of one sequence (:mod:`nsa.context_parallel`). Rank 0 opens, logs and ends
@@ -9,7 +10,8 @@ gloo on the CPU, initialized from torchrun's environment (``env://``).
 The rule (:func:`check`, a ConfigError otherwise: one line, exit 2, no run): ``parallel.cp`` N > 1 only
 under torchrun with ``WORLD_SIZE`` == N and only for the entry points that run context parallel; under
 torchrun with more than one process, ``parallel.cp`` must be that count (else every rank would run the
-whole job and log a run of its own).
+whole job and log a run of its own). ``experiments.train`` takes ``parallel.dp`` too (D x C == WORLD_SIZE) and runs
+its distributed path under torchrun at any world size, one process included (:func:`distributed`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import torch
 
 from .errors import ConfigError
 
-ENTRIES = ("parity", "prefill")  # the entry points with a context-parallel path
+ENTRIES = ("parity", "prefill", "train")  # the entry points with a context-parallel path
+TRAINS = ("train",)  # and with a data-parallel one (parallel.dp), which runs under torchrun at any world size
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
 
 
@@ -32,40 +35,60 @@ def torchrun_world() -> int | None:
     return int(os.environ["WORLD_SIZE"])
 
 
+def distributed(cfg, entry: str) -> bool:
+    """The job runs over a process group: context parallel (parallel.cp > 1), or a training under torchrun
+    (FSDP2 and DCP checkpoints even on one process: the path several processes take). ``check`` passed."""
+    from omegaconf import OmegaConf
+
+    if entry in TRAINS:
+        return torchrun_world() is not None
+    return int(OmegaConf.select(cfg, "parallel.cp", default=1)) > 1
+
+
 def rank() -> int:
     """This process's rank under torchrun (0 outside it)."""
     return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
 
 
-def check(cp, entry: str, sweep: bool = False) -> None:
-    """``parallel.cp`` against how this process was launched (module docstring: the rule)."""
+def check(cp, entry: str, sweep: bool = False, dp=1) -> None:
+    """``parallel.dp`` x ``parallel.cp`` against how this process was launched (module docstring: the rule)."""
     world = torchrun_world()
-    n = cp if cp != 1 else world
-    cmd = f"torchrun --nproc_per_node {n} -m experiments.{entry} parallel.cp={n} ..."
-    if sweep and (cp != 1 or (world or 1) > 1):
-        raise ConfigError(f"parallel.cp={cp}: a sweep (-m) does not run context parallel (its jobs run one after "
+    n = cp * dp if dp * cp != 1 else world
+    keys = f"parallel.dp={dp} parallel.cp={cp}" if entry in TRAINS else f"parallel.cp={cp}"
+    split = f"parallel.dp=1 parallel.cp={n}" if entry in TRAINS else f"parallel.cp={n}"
+    cmd = f"torchrun --nproc_per_node {n} -m experiments.{entry} {split} ..."
+    train = entry in TRAINS
+    if sweep and (dp * cp != 1 or (world or 1) > 1):
+        what = "over several processes" if train else "context parallel"
+        raise ConfigError(f"{keys}: a sweep (-m) does not run {what} (its jobs run one after "
                           f"another in one process, and under torchrun every rank would run the whole sweep); "
                           f"launch one job per torchrun: {cmd}")
+    if dp != 1 and not train:
+        raise ConfigError(f"parallel.dp={dp}: experiments.{entry} has no data-parallel path; only "
+                          f"{', '.join(f'experiments.{e}' for e in TRAINS)} runs with parallel.dp > 1")
     if cp != 1 and entry not in ENTRIES:
         raise ConfigError(f"parallel.cp={cp}: experiments.{entry} has no context-parallel path; "
                           f"only {', '.join(f'experiments.{e}' for e in ENTRIES)} run with parallel.cp > 1")
     if entry not in ENTRIES and (world or 1) > 1:
         raise ConfigError(f"parallel.cp={cp}: experiments.{entry} runs in one process, not under torchrun with "
                           f"WORLD_SIZE={world} (every rank would run the whole job and log a run of its own)")
-    if cp != 1 and world is None:
-        raise ConfigError(f"parallel.cp={cp}: parallel.cp > 1 runs one process per rank under torchrun with "
-                          f"WORLD_SIZE == parallel.cp ({cmd}); this process was not started by torchrun")
-    if world is not None and world != cp:
-        raise ConfigError(f"parallel.cp={cp}: must equal torchrun's WORLD_SIZE={world} (one process per rank: "
-                          f"torchrun --nproc_per_node {world} -m experiments.{entry} parallel.cp={world} ...)")
+    if dp * cp != 1 and world is None:
+        rule = ("parallel.dp x parallel.cp > 1 runs one process per rank under torchrun with WORLD_SIZE == dp x cp"
+                if train else "parallel.cp > 1 runs one process per rank under torchrun with WORLD_SIZE == parallel.cp")
+        raise ConfigError(f"{keys}: {rule} ({cmd}); this process was not started by torchrun")
+    if world is not None and world != dp * cp:
+        rule = f"dp x cp = {dp * cp} must equal" if train else "must equal"
+        again = f"parallel.dp={world} parallel.cp=1" if train else f"parallel.cp={world}"
+        raise ConfigError(f"{keys}: {rule} torchrun's WORLD_SIZE={world} (one process per rank: "
+                          f"torchrun --nproc_per_node {world} -m experiments.{entry} {again} ...)")
 
 
-def check_job(cp: int, seq: int, branch: str, device: torch.device | None = None) -> None:
+def check_job(cp: int, seq: int, branch: str, device: torch.device | None = None, dp: int = 1) -> None:
     """What a context-parallel job needs: the sequence cut into 2 x cp equal chunks (each rank holds one
     early and one late chunk, nsa.context_parallel.shard), every branch (the context-parallel path runs the
     gated sum of all three; branch_force times one alone on one device), and on CUDA a GPU of its own per
     rank of this host."""
-    if cp > 1 and device is not None and device.type == "cuda":
+    if dp * cp > 1 and device is not None and device.type == "cuda":
         local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
         if local >= n:
             raise ConfigError(f"parallel.cp={cp}: local rank {local} has no GPU of its own ({n} visible here); "

@@ -112,8 +112,10 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
         try:
             cfg = loader.load_sweep_config(sweeper.config, list(ov))
             cp = OmegaConf.select(cfg, "parallel.cp", default=1)
-            if isinstance(cp, int) and cp > 1 or (parallel.torchrun_world() or 1) > 1:
-                parallel.check(cp, entry, sweep=True)  # a sweep runs no context-parallel job: one line, why
+            dp = OmegaConf.select(cfg, "parallel.dp", default=1)
+            if (isinstance(cp, int) and cp > 1 or isinstance(dp, int) and dp > 1
+                    or parallel.torchrun_world() is not None and (entry in parallel.TRAINS or parallel.torchrun_world() > 1)):
+                parallel.check(cp, entry, sweep=True, dp=dp)  # a sweep runs no job over processes: one line, why
             if here:
                 check_timed_device(cfg, entry)
             out.append(prepare(cfg, entry, here=here, check=check))

@@ -90,6 +90,7 @@ def save(ckpt_dir, state: dict) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        shutil.rmtree(d / SHARDED, ignore_errors=True)  # a sharded one it replaces (a run resumed in one process)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -138,7 +139,137 @@ def load(ckpt_dir, map_location="cpu", mmap: bool = False) -> dict | None:
 
 
 def peek(ckpt_dir) -> dict | None:
-    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None if none): an entry point
-    reopens that tracking run before it calls the training loop."""
-    state = load(ckpt_dir, mmap=True)
-    return None if state is None else {"run_id": state["run_id"], "step": state["step"]}
+    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None if none; either kind, :func:`meta`): an entry
+    point reopens that tracking run before it calls the training loop."""
+    m = meta(ckpt_dir)
+    return None if m is None else {"run_id": m["run_id"], "step": m["step"]}
+
+
+# ================================================================================================
+# Sharded checkpoints (training over several processes): torch.distributed.checkpoint (DCP)
+# ================================================================================================
+SHARDED = "dcp"       # <ckpt dir>/dcp/: DCP's files (one per rank, and .metadata) and META
+META = "meta.json"    # run_id, step, data_position, config, world: what an entry point reads to reopen the run
+
+
+def _swap_in(d: Path, tmp: Path) -> None:
+    """``tmp`` becomes ``d/dcp``: the old one moved aside, the new one renamed in, the old one removed; a process
+    killed between the renames leaves ``.dcp.old``, which :func:`_sharded_dir` takes back."""
+    final, old = d / SHARDED, d / f".{SHARDED}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        (d / NAME).unlink()  # the newest checkpoint is the only one
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(ckpt_dir, meta: dict, model, opt) -> Path:
+    """Every rank's shard of ``model`` and ``opt`` (FSDP2) into ``<ckpt_dir>/dcp`` through DCP, and ``meta`` (plain
+    values) beside them, written by rank 0; called on every rank. Replaces the previous checkpoint (a sharded one
+    or ``last.pt``) only once the whole new one is on disk."""
+    import json
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    d = Path(ckpt_dir)
+    tmp = d / f".{SHARDED}.tmp"
+    if dist.get_rank() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    fresh = not opt.state
+    msd, osd = get_state_dict(model, opt)
+    if fresh:
+        _uncount(opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp))
+    if dist.get_rank() == 0:
+        with open(tmp / META, "w") as f:
+            json.dump({"format": FORMAT, **meta}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _swap_in(d, tmp)
+    dist.barrier()
+    return d / SHARDED
+
+
+def _uncount(opt) -> None:
+    """DCP's ``get_state_dict`` / ``set_state_dict`` fill an empty optimizer state by a step with zero gradients at
+    learning rate 0; its moments stay 0, but the step counts 1 (AdamW's bias correction would then differ from a
+    fresh optimizer's). Set back to 0, the state is a fresh optimizer's."""
+    for st in opt.state.values():
+        if isinstance(st.get("step"), torch.Tensor):
+            st["step"].zero_()
+        elif "step" in st:
+            st["step"] = 0
+
+
+def _sharded_dir(d: Path) -> Path | None:
+    final, old = d / SHARDED, d / f".{SHARDED}.old"
+    if not final.exists() and (old / META).exists():  # killed between the renames of _swap_in
+        os.replace(old, final)
+    return final if (final / META).exists() else None
+
+
+def meta(ckpt_dir) -> dict | None:
+    """The checkpoint in ``ckpt_dir`` that a run resumes, without its tensors in memory: ``{"kind": "file" |
+    "sharded", "run_id", "step", "data_position", "config", ...}``, or None where there is none. ``file``:
+    ``last.pt`` (one process); ``sharded``: ``dcp/`` (several). Where both are there (a process killed while it
+    replaced one by the other), the later step's."""
+    import json
+
+    d = Path(ckpt_dir)
+    found = []
+    s = _sharded_dir(d) if d.is_dir() else None
+    if s is not None:
+        try:
+            m = json.loads((s / META).read_text())
+        except ValueError as e:
+            raise Unreadable(f"{s / META}: not a checkpoint's metadata ({' '.join(str(e).split())})") from e
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ValueError(f"{s / META}: checkpoint format {m.get('format') if isinstance(m, dict) else m!r}, "
+                             f"this code reads {FORMAT}")
+        found.append({**m, "kind": "sharded", "path": s})
+    state = load(d, mmap=True)
+    if state is not None:
+        found.append({**{k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}, "kind": "file",
+                      "path": path(d)})
+    return max(found, key=lambda m: m["step"]) if found else None
+
+
+def load_sharded(where: Path, model, opt) -> None:
+    """A sharded checkpoint into ``model`` and ``opt``: FSDP2-sharded ones (on any world size: DCP reshards) or a
+    plain model in one process (DCP without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    _uncount(opt)  # the counts a checkpoint written before the first step holds (save_sharded)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=str(where))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_file_into_sharded(state: dict, model, opt) -> None:
+    """A one-process checkpoint's state (``last.pt``) into an FSDP2-sharded ``model`` and ``opt``: the optimizer's
+    parameter numbers named by the parameters they number (the same groups, in the same order)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    o = state["optimizer"]
+    osd = {"state": {order[i]: v for i, v in o["state"].items()},
+           "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in o["param_groups"]]}
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
+    if not o["state"]:  # a checkpoint written before the first step
+        _uncount(opt)

@@ -64,6 +64,9 @@ class TrainConfig:
     save_selections: bool = False
     selection_lengths: tuple = (8192, 16384, 32768, 65536)
     selection_layer: int = -1
+    # micro-batches per update: each rank's share of the batch in this many forward/backward passes (the same
+    # global batch, the gradients summed), where one pass would not fit in memory
+    grad_accum: int = 1
 
     def __post_init__(self):
         if isinstance(self.ablation, Mapping):
@@ -74,7 +77,7 @@ class TrainConfig:
             object.__setattr__(self, "recipe", build(Recipe, self.recipe, "train.recipe"))
         elif not isinstance(self.recipe, Recipe):
             raise ValueError(f"train.recipe={self.recipe!r}: must be a mapping of experiments.lm.recipe.Recipe's fields")
-        for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows"):
+        for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows", "grad_accum"):
             check_int(f"train.{f}", getattr(self, f), 1)
         for f in ("warmup", "eval_batches", "gates_open_steps"):
             check_int(f"train.{f}", getattr(self, f), 0)
@@ -152,6 +155,8 @@ class RunConfig:
     dtype: str = "float32"
     seed: int = 0
     streams: bool = True
+    dp: int = 1  # parallel.dp x parallel.cp processes train the model (experiments/lm/distributed.py)
+    cp: int = 1
 
     def __post_init__(self):
         if self.attention not in ATTENTION:
@@ -188,11 +193,39 @@ class RunConfig:
                     make_task({**self.data, "seq_len": T}, self.seed)
                 except ValueError as e:
                     raise ValueError(f"train.selection_lengths: {T}: {e}") from e
+        self._check_parallel()
         if self.attention == "nsa" and self.train.eval_batches:
             most = task.seq_len - acfg.n_sel * acfg.l_sel
             if self.train.sel_rows > most:
                 raise ValueError(f"train.sel_rows={self.train.sel_rows}: must be <= data.seq_len - n_sel * l_sel = {most} "
                                  "(each sampled row needs more than n_sel candidate blocks)")
+
+    def _check_parallel(self) -> None:
+        """What dp x cp processes (and train.grad_accum) need of the batches, sequences and options."""
+        check_int("parallel.dp", self.dp, 1)
+        check_int("parallel.cp", self.cp, 1)
+        share = self.dp * self.train.grad_accum
+        for i, (_, task, batch) in enumerate(self.stages()):
+            where = "train.batch" if i == len(self.train.curriculum) else f"train.curriculum[{i}].batch"
+            if batch % share:
+                raise ValueError(f"{where}={batch}: must be a multiple of parallel.dp x train.grad_accum = "
+                                 f"{self.dp} x {self.train.grad_accum} = {share} (each rank's micro-batches of the "
+                                 "global batch)")
+            if self.cp > 1 and task.seq_len % (2 * self.cp):
+                key = "data.seq_len" if i == len(self.train.curriculum) else f"train.curriculum[{i}].data.seq_len"
+                raise ValueError(f"{key}={task.seq_len}: parallel.cp={self.cp} cuts each sequence into 2 x {self.cp} = "
+                                 f"{2 * self.cp} equal chunks; it must be a multiple of {2 * self.cp}")
+        if self.cp > 1:
+            if self.attention == "window":
+                raise ValueError("attention.kind=window: does not run context parallel (parallel.cp > 1)")
+            if self.lm.hf is not None:
+                raise ValueError("lm=hf: does not run context parallel yet (parallel.cp > 1); lm=smoke|small do")
+            if self.attention == "nsa" and self.train.ablation.selection != "topn":
+                raise ValueError(f"train.ablation.selection={self.train.ablation.selection}: not with parallel.cp > 1 "
+                                 "(the ablations read whole sequences)")
+        if self.dp * self.cp > 1 and self.attention == "nsa" and self.train.save_selections:
+            raise ValueError("train.save_selections=true: runs in one process; resume the checkpoint in one process "
+                             "to save them (parallel.dp=1 parallel.cp=1)")
 
     @classmethod
     def from_conf(cls, cfg, *, backend=None, fallback=None, dtype=None) -> RunConfig:
@@ -214,7 +247,8 @@ class RunConfig:
         dtype = dtype or c.get("dtype") or (c.get("hardware") or {}).get("dtype") or "float32"
         return cls(lm=build(LMConfig, c["lm"], "lm"), attention=c["attention"]["kind"], data=dict(c["data"]),
                    train=build(TrainConfig, c["train"], "train"), backend=be, fallback=fallback, dtype=dtype,
-                   seed=c.get("seed", 0), streams=c.get("streams", True))
+                   seed=c.get("seed", 0), streams=c.get("streams", True), dp=(c.get("parallel") or {}).get("dp", 1),
+                   cp=(c.get("parallel") or {}).get("cp", 1))
 
     def stages(self) -> list[tuple[int, object, int]]:
         """``(last step, task, batch)`` per stage, the main stage last."""

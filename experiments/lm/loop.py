@@ -53,18 +53,21 @@ import torch
 import torch.nn.functional as F
 
 from nsa import NSAConfig, dispatch
+from nsa import context_parallel as cpar
 from nsa.numerics import DTYPES
 
 from .. import progress
 from ..framework.cli import raise_if_interrupted
 from ..measure.timing import profiled
 from ..nested import flatten
-from . import ablations, checkpoint, cost, probes, recipe
+from . import ablations, checkpoint, cost, distributed, probes, recipe
 from .config import RunConfig, TrainConfig, check_int
 from .data import IGNORE
 from .model import LM, count_parameters
 
-RESUMABLE_CHANGES = {"train.time_limit_s", "train.profile", "train.compile"}  # config keys a resumed run may change
+# config keys a resumed run may change (grad_accum: the same global batch in other micro-batches)
+# and the processes: a checkpoint resumes on another dp x cp (resharded)
+RESUMABLE_CHANGES = {"train.time_limit_s", "train.profile", "train.compile", "train.grad_accum", "dp", "cp"}
 
 
 def build_model(cfg: RunConfig, device=None) -> LM:
@@ -84,14 +87,16 @@ def parameter_counts(cfg: RunConfig) -> dict[str, int]:
         return count_parameters(build_model(cfg))
 
 
-def _loss(model, tokens, targets, task, sel_rows=None, detach_q=True):
-    """The language-model loss, the correct answers and their count; with ``sel_rows`` (experiments.lm.recipe)
-    also the NSA layers' mean selection loss (else None)."""
+def _loss(model, tokens, targets, task, sel_rows=None, detach_q=True, cp_group=None, reduction="mean"):
+    """The language-model loss (``reduction``: its mean, or its sum over the targets), the correct answers and
+    their count; with ``sel_rows`` (experiments.lm.recipe) also the NSA layers' mean selection loss (else None).
+    ``cp_group``: tokens and targets are this rank's part of each sequence (context parallel)."""
     # the oracle selection (experiments.lm.ablations) reads where each answer's source sits
     sources = task.sources(tokens, targets) if model.selection == "oracle" else None
-    out = model(tokens, sources) if sel_rows is None else model(tokens, sources, sel_rows, detach_q)
+    cp = {} if cp_group is None else {"cp_group": cp_group}
+    out = model(tokens, sources, **cp) if sel_rows is None else model(tokens, sources, sel_rows, detach_q, **cp)
     logits, aux = (out, None) if sel_rows is None else out
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction=reduction)
     mask = targets != IGNORE
     correct = ((logits.argmax(-1) == targets) & mask).sum()
     return loss, correct, mask.sum(), aux
@@ -105,18 +110,28 @@ def recipe_weight(cfg: RunConfig, step: int, seq_len: int) -> float:
     return cfg.train.recipe.sel_loss_at(step)
 
 
-def _memory_metrics(device) -> dict[str, float]:
+def _memory_metrics(device, world=None) -> dict[str, float]:
     """The memory high-water mark: on CUDA since ``_Window.reset`` (training steps only), on the CPU
-    since the process started."""
+    since the process started. Over several processes: the largest rank's, and each rank's (``_rank<r>``)."""
     if device.type == "cuda":
-        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return {"rss_peak_gib": kib / (2**30 if sys.platform == "darwin" else 2**20)}
+        name, gib = "peak_mem_gib", torch.cuda.max_memory_allocated(device) / 2**30
+    else:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        name, gib = "rss_peak_gib", kib / (2**30 if sys.platform == "darwin" else 2**20)
+    if world is None:
+        return {name: gib}
+    each = world.each(gib, device)
+    return {name: max(each), **{f"{name}_rank{r}": v for r, v in enumerate(each)}}
 
 
 @torch.no_grad()
-def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, float]:
-    """Held-out loss and accuracy, and the NSA layers' selection quality on the first batch."""
+def evaluate(model: LM, task, cfg: RunConfig, device, autocast, world=None) -> dict[str, float]:
+    """Held-out loss and accuracy, and the NSA layers' selection quality on the first batch. Over several
+    processes (``world``) each rank evaluates its part of every batch (its rows, its part of each sequence) and
+    the figures are reduced over the ranks; the selection quality reads each rank's first rows whole (the layer
+    inputs gathered over the cp ranks, the layer's parameters unsharded)."""
+    if world is not None:
+        return _evaluate_sharded(model, task, cfg, device, autocast, world)
     model.eval()
     tot = {"loss": 0.0, "correct": 0, "n": 0}
     sel = {}
@@ -129,20 +144,60 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast) -> dict[str, flo
         tot["correct"] += int(correct)
         tot["n"] += int(n)
         if i == 0:
-            rows = cfg.train.sel_rows
-            answers = (targets != IGNORE)[:, -rows:] if task.answers_only else None
-            for j, (layer, x) in enumerate(zip(layers, xs)):
-                q = probes.selection_quality(layer, x, rows, answers)
-                for key, v in q.items():
-                    sel[f"sel_{key}_l{j}"] = v
+            sel = _selection_quality(layers, xs, targets, task, cfg.train.sel_rows)
     model.train()
-    out = {"val_loss": tot["loss"], "val_accuracy": tot["correct"] / max(1, tot["n"])}
-    if layers:
+    return _eval_out(tot["loss"], tot["correct"], tot["n"], sel, len(layers))
+
+
+def _selection_quality(layers, xs, targets, task, rows: int) -> dict[str, float]:
+    answers = (targets != IGNORE)[:, -rows:] if task.answers_only else None
+    sel = {}
+    for j, (layer, x) in enumerate(zip(layers, xs)):
+        for key, v in probes.selection_quality(layer, x, rows, answers).items():
+            sel[f"sel_{key}_l{j}"] = v
+    return sel
+
+
+def _eval_out(loss: float, correct: int, n: int, sel: dict, n_layers: int) -> dict[str, float]:
+    out = {"val_loss": loss, "val_accuracy": correct / max(1, n)}
+    if n_layers:
         for key in ("mass", "recall", "share", "mass_answers", "recall_answers"):
             if f"sel_{key}_l0" in sel:
-                out[f"sel_{key}"] = sum(sel[f"sel_{key}_l{j}"] for j in range(len(layers))) / len(layers)
+                out[f"sel_{key}"] = sum(sel[f"sel_{key}_l{j}"] for j in range(n_layers)) / n_layers
         out.update(sel)
     return out
+
+
+def _evaluate_sharded(model, task, cfg: RunConfig, device, autocast, world) -> dict[str, float]:
+    tc = cfg.train
+    micro = tc.batch // (tc.grad_accum * world.dp)
+    model.eval()
+    loss, counts, sel = torch.zeros((), dtype=torch.float64, device=device), torch.zeros(2, device=device), {}
+    layers = model.nsa_layers()
+    for i in range(tc.eval_batches):
+        tokens, targets = task.batch("val", i, tc.batch)
+        N = max(1, int((targets != IGNORE).sum()))
+        for m in range(tc.grad_accum):
+            tok, tgt = (world.part(t, m, micro).to(device) for t in (tokens, targets))
+            with probes.layer_inputs(layers) as xs, autocast():
+                ce, c, k, _ = _loss(model, tok, tgt, task, cp_group=world.group, reduction="sum")
+            loss += ce.double() / N / tc.eval_batches
+            counts += torch.stack([c, k]).float()
+            if i == 0 and m == 0 and layers:
+                whole = [x if world.group is None else cpar.gather_sequence(x, world.group) for x in xs]
+                for block in distributed.blocks(model):
+                    block.unshard()
+                try:
+                    sel = _selection_quality(layers, whole, targets[world.rows(0, micro)], task, tc.sel_rows)
+                finally:
+                    for block in distributed.blocks(model):
+                        block.reshard()
+    model.train()
+    keys = sorted(sel)
+    sums = world.all_sum(torch.cat([loss[None], counts.double(), torch.tensor([sel[k] for k in keys], dtype=torch.float64,
+                                                                                device=device)]))
+    sel = {k: float(v) / world.size for k, v in zip(keys, sums[3:])}
+    return _eval_out(float(sums[0]), int(sums[1]), int(sums[2]), sel, len(layers))
 
 
 def _added_at_default(key: str, value) -> bool:
@@ -152,13 +207,20 @@ def _added_at_default(key: str, value) -> bool:
     for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation), ("train.recipe.", recipe.Recipe)):
         defaults = {f.name: f.default for f in fields(cls)}
         name = key.removeprefix(prefix)
-        if key.startswith(prefix) and name in defaults and defaults[name] == value:
+        if key.startswith(prefix) and name in defaults and _lists(defaults[name]) == value:
             return True
     return False
 
 
+def _lists(v):
+    """Tuples as lists, all the way down: a config as a sharded checkpoint's JSON holds it."""
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    return [_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
 def _check_config(state: dict, cfg: RunConfig) -> None:
-    old, new = flatten(state["config"]), flatten(cfg.to_dict())
+    old, new = flatten(_lists(state["config"])), flatten(_lists(cfg.to_dict()))
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES
                   and not (k not in old and _added_at_default(k, new[k])))
     if diff:
@@ -167,21 +229,34 @@ def _check_config(state: dict, cfg: RunConfig) -> None:
 
 
 def resumable(cfg: RunConfig, ckpt_dir) -> dict | None:
-    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None: none), which ``train(cfg, ...)``
-    will resume; a ValueError names the config keys that differ from the checkpoint's (as ``train``
-    would, before an entry point reopens the run)."""
-    state = checkpoint.load(ckpt_dir, mmap=True)
-    if state is None:
+    """``{"run_id", "step"}`` of the checkpoint in ``ckpt_dir`` (None: none; one process's ``last.pt`` or a
+    sharded one, :func:`checkpoint.meta`), which ``train(cfg, ...)`` will resume on any world size; a ValueError
+    names the config keys that differ from the checkpoint's (as ``train`` would, before an entry point reopens
+    the run)."""
+    m = checkpoint.meta(ckpt_dir)
+    if m is None:
         return None
-    _check_config(state, cfg)
-    return {"run_id": state["run_id"], "step": state["step"]}
+    _check_config(m, cfg)
+    return {"run_id": m["run_id"], "step": m["step"]}
 
 
-def _resume(state: dict, cfg: RunConfig, run_id: str, model, opt, device) -> tuple[int, int]:
-    if state["run_id"] != run_id:
-        raise ValueError(f"run_id={run_id!r}: the checkpoint belongs to run {state['run_id']!r} "
+def _resume(ckpt_dir, cfg: RunConfig, run_id: str, model, opt, device, world) -> tuple[int, int] | None:
+    """The checkpoint in ``ckpt_dir`` loaded into ``model`` and ``opt`` (sharded over ``world``, or one process),
+    whichever kind wrote it: (its step, its data position), or None where there is none."""
+    m = checkpoint.meta(ckpt_dir)
+    if m is None:
+        return None
+    if m["run_id"] != run_id:
+        raise ValueError(f"run_id={run_id!r}: the checkpoint belongs to run {m['run_id']!r} "
                          "(read it with experiments.lm.checkpoint.peek and resume that run)")
-    _check_config(state, cfg)
+    _check_config(m, cfg)
+    if m["kind"] == "sharded":  # the random state is not kept: nothing in a training step draws from it
+        checkpoint.load_sharded(m["path"], model, opt)
+        return m["step"], m["data_position"]
+    state = checkpoint.load(ckpt_dir, map_location=device)
+    if world is not None:
+        checkpoint.load_file_into_sharded(state, model, opt)
+        return state["step"], state["data_position"]
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -190,11 +265,14 @@ def _resume(state: dict, cfg: RunConfig, run_id: str, model, opt, device) -> tup
     return state["step"], state["data_position"]
 
 
-def _save(ckpt_dir, cfg, run_id, step, position, model, opt, device):
+def _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world=None):
+    meta = {"run_id": run_id, "step": step, "data_position": position, "config": cfg.to_dict()}
+    if world is not None:
+        checkpoint.save_sharded(ckpt_dir, {**meta, "world": {"dp": world.dp, "cp": world.cp}}, model, opt)
+        return
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None}
-    checkpoint.save(ckpt_dir, {"run_id": run_id, "step": step, "data_position": position, "config": cfg.to_dict(),
-                               "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng})
+    checkpoint.save(ckpt_dir, {**meta, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng})
 
 
 class _Window:
@@ -226,7 +304,13 @@ class _Window:
         self.aux += aux.detach().float()
         self.aux_steps += 1
 
-    def take(self) -> dict[str, float]:
+    def take(self, world=None) -> dict[str, float]:
+        """The interval's means; over several processes each rank holds its part of the loss (a share of each
+        step's mean), of the counts and of the selection loss, summed here over the ranks."""
+        if world is not None:
+            sums = world.all_sum(torch.stack([self.loss, self.correct.float(), self.n.float(), self.aux]).double())
+            self.loss, self.correct, self.n = sums[0], sums[1].long(), sums[2].long()
+            self.aux = sums[3] / world.size
         out = {"loss": float(self.loss) / self.steps, "accuracy": int(self.correct) / max(1, int(self.n)),
                "grad_norm": float(self.gnorm) / self.steps}  # these reads wait for the device
         if self.aux_steps:
@@ -260,13 +344,51 @@ def _check_backends(cfg: RunConfig, device, dtype):
         dispatch.choose("win", cfg.backend["win"], device, dtype, None)
 
 
+def _shared_step(model, task, tokens, targets, sel_rows, sel_w, cfg: RunConfig, world, device, autocast, compiling,
+                 gates):
+    """One update's forward and backward over this process's share of the global batch (``tokens``, ``targets``:
+    the whole of it), in ``train.grad_accum`` micro-batches: each backpropagates its summed cross-entropy scaled by
+    :func:`distributed.loss_scale` (with the selection loss over the micro-batches), so that the gradients, summed
+    over micro-batches and averaged over the ranks by FSDP, are the whole batch's mean loss's. Returns this
+    process's part of the step's mean loss, its correct answers and targets, and its mean selection loss (or None)."""
+    tc = cfg.train
+    M = tc.grad_accum
+    micro = tokens.shape[0] // (M * (world.dp if world is not None else 1))
+    n_targets = int((targets != IGNORE).sum())  # the whole global batch's
+    scale = distributed.loss_scale(world, n_targets)
+    group = None if world is None else world.group
+    loss_sum, correct, n, aux_sum = torch.zeros((), device=device), 0, 0, None
+    for m in range(M):
+        if world is None:
+            rows = slice(m * micro, (m + 1) * micro)
+            tok, tgt, sel = tokens[rows], targets[rows], None if sel_rows is None else sel_rows[rows]
+        else:  # the rows of sel_rows are the batch's; their positions stay the whole sequence's
+            tok, tgt = world.part(tokens, m, micro), world.part(targets, m, micro)
+            sel = None if sel_rows is None else sel_rows[world.rows(m, micro)]
+        tok, tgt = tok.to(device, non_blocking=True), tgt.to(device, non_blocking=True)
+        sel = None if sel is None else sel.to(device, non_blocking=True)
+        gates.mask = tgt != IGNORE if task.answers_only else None
+        with autocast(), compiling():
+            ce, c, k, aux = _loss(model, tok, tgt, task, sel, tc.recipe.sel_loss_detach_q, group, reduction="sum")
+        total = ce * scale
+        if aux is not None:
+            total = total + sel_w * aux / M
+            aux_sum = aux.detach() / M if aux_sum is None else aux_sum + aux.detach() / M
+        total.backward()
+        loss_sum += ce.detach() / max(1, n_targets)
+        correct, n = correct + c, n + k
+    return loss_sum, correct, n, aux_sum
+
+
 def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], None], ckpt_dir, run_id: str,
-          logged_through: int = 0) -> dict:
+          logged_through: int = 0, world=None) -> dict:
     """Train ``cfg`` on ``device`` to ``cfg.train.steps`` (or to ``time_limit_s``), resuming from
     ``ckpt_dir`` if it holds a checkpoint. See the module docstring for the callback contract.
     Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters), "profile" (with
     train.profile: the profiler's table of step log_every + 1, if this process ran it; else None), "model" (the
-    trained model, on ``device``)}``."""
+    trained model, on ``device``)}``. ``world`` (:class:`distributed.World`): this process is one rank of a
+    training over several (every rank calls ``train`` alike; ``log`` is called on each, rank 0's stores); None:
+    one process."""
     device = torch.device(device)
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
@@ -279,20 +401,21 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
 
     torch.manual_seed(cfg.seed)
     stages = cfg.stages()
-    model = build_model(cfg, device)
+    model = build_model(cfg, device)  # the same initial weights on every rank (the same seed)
+    flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
+    if world is not None:
+        distributed.shard(model, world, device, dtype)
     opt = optimizer(model, tc)
-    state = checkpoint.load(ckpt_dir, map_location=device)
-    if state is not None:
-        step, position = _resume(state, cfg, run_id, model, opt, device)
+    found = _resume(ckpt_dir, cfg, run_id, model, opt, device, world)
+    if found is not None:
+        step, position = found
     else:
         step, position = 0, 0
-        _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
-    del state
+        _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world)
     held = probes.HoldGatesOpen(model.nsa_layers())  # before GateMeans: its hook sees the gates the layer uses
     # after HoldGatesOpen (which replaces the gate MLP's whole output): the branches ablated out stay at 0
     branch_gates = ablations.BranchGates(model.nsa_layers(), tc.ablation.branches)
     gates = probes.GateMeans(model.nsa_layers())
-    flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     first_row = recipe.first_row(cfg.lm.attention_config())  # the selection loss's rows start there
     last_metrics, completed, t_start = {}, True, time.perf_counter()
     window = _Window(device)
@@ -306,8 +429,9 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     # train.profile: the first step after the first logged window (compiled, warm) under torch.profiler; its
     # time and tokens are left out of that window's tokens_per_s (the profiler slows it)
     profile_at, profile = tc.log_every + 1 if tc.profile else None, None
+    shared = world is not None or tc.grad_accum > 1  # the loss as a sum over its share of the global batch
     model.train()
-    with progress.bar(tc.steps, "train", "step", initial=step) as shown:  # quiet where stderr is no terminal
+    with progress.bar(tc.steps, "train", "step", initial=step, shown=world is None or world.rank == 0) as shown:
         while step < tc.steps:
             raise_if_interrupted()  # a signal Python dropped (in a finalizer) still stops the run
             lr = tc.lr_at(step + 1)
@@ -321,17 +445,25 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
                 sel_w = recipe_weight(cfg, step + 1, task.seq_len)
                 sel_rows = None if not sel_w else recipe.sample_rows(
                     targets != IGNORE, tc.recipe.sel_loss_rows, first_row,
-                    torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)).to(device, non_blocking=True)
-                tokens, targets = (t.to(device, non_blocking=True) for t in (tokens, targets))
-                gates.mask = targets != IGNORE if task.answers_only else None
+                    torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
                 held.active = step < tc.gates_open_steps  # update step + 1 <= gates_open_steps
-                with autocast(), compiling():
-                    loss, correct, n, aux = _loss(step_model, tokens, targets, task, sel_rows, tc.recipe.sel_loss_detach_q)
                 opt.zero_grad(set_to_none=True)
-                (loss if aux is None else loss + sel_w * aux).backward()
+                if not shared:  # one process, one batch: the mean loss, as the model is trained in one process
+                    tokens, targets = (t.to(device, non_blocking=True) for t in (tokens, targets))
+                    sel_rows = None if sel_rows is None else sel_rows.to(device, non_blocking=True)
+                    gates.mask = targets != IGNORE if task.answers_only else None
+                    with autocast(), compiling():
+                        loss, correct, n, aux = _loss(step_model, tokens, targets, task, sel_rows,
+                                                      tc.recipe.sel_loss_detach_q)
+                    (loss if aux is None else loss + sel_w * aux).backward()
+                    loss = loss.detach()
+                else:
+                    loss, correct, n, aux = _shared_step(step_model, task, tokens, targets, sel_rows, sel_w, cfg, world,
+                                                         device, autocast, compiling, gates)
                 if aux is not None:
                     window.add_aux(aux)
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf)
+                gnorm = distributed.full(torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), tc.grad_clip if tc.grad_clip > 0 else math.inf))
                 opt.step()
             step, position = step + 1, position + 1
             shown.update(1)
@@ -345,17 +477,22 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
                 window.untimed_flops += flops[stage]
             if step % tc.log_every and step != tc.steps:
                 continue
-            metrics = {**_memory_metrics(device), **window.take(), "lr": lr, "seq_len": task.seq_len, **gates.take()}
+            metrics = {**_memory_metrics(device, world), **window.take(world), "lr": lr, "seq_len": task.seq_len,
+                       **gates.take(None if world is None else world.all_sum)}
+            if world is not None:
+                metrics["tokens_per_s_per_gpu"] = metrics["tokens_per_s"] / world.size
             if step > logged_through:
                 if tc.eval_batches and (step % tc.eval_every == 0 or step == tc.steps):
                     gates.active = False
-                    metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast))
+                    metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast, world))
                     gates.active = True
                 log(metrics, step)
                 last_metrics = metrics
             out_of_time = tc.time_limit_s is not None and time.perf_counter() - t_start > tc.time_limit_s
+            if world is not None and tc.time_limit_s is not None:
+                out_of_time = world.same(out_of_time)  # every rank stops at the same step
             if step % tc.ckpt_every == 0 or step == tc.steps or out_of_time:
-                _save(ckpt_dir, cfg, run_id, step, position, model, opt, device)
+                _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world)
             if out_of_time and step < tc.steps:
                 completed = False
                 break

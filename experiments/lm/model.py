@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa import NSAAttention, NSAConfig, functional
+from nsa import context_parallel as cpar
 from nsa.compat import sdpa_gqa
 from nsa.module import rope
 
@@ -92,14 +93,27 @@ class GQAAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, H * Dv, bias=False)
         self.o_proj = nn.Linear(HQ * Dv, cfg.dim, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, cp_group=None):
+        """``x [B,T,dim]``; with ``cp_group`` this rank's part of one sequence (``nsa.context_parallel.shard``'s
+        layout): RoPE at the rank's positions, dense attention over the gathered keys
+        (``nsa.context_parallel.causal_attention``; the window model does not run context parallel)."""
         c = self.cfg
         B, T, _ = x.shape
-        pos = torch.arange(T, device=x.device)
+        if cp_group is None:
+            pos = torch.arange(T, device=x.device)
+        else:
+            import torch.distributed as dist
+
+            if self.window:
+                raise ValueError("attention.kind=window: does not run context parallel (parallel.cp > 1)")
+            world = dist.get_world_size(cp_group)
+            pos = cpar.positions(T * world, dist.get_rank(cp_group), world, x.device)
         q = rope(self.q_proj(x).view(B, T, c.n_heads, c.d_k), pos, c.rope_base)
         k = rope(self.k_proj(x).view(B, T, c.n_kv_heads, c.d_k), pos, c.rope_base)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.d_v)
-        if self.window:
+        if cp_group is not None:
+            o = cpar.causal_attention(q, k, v, cp_group)
+        elif self.window:
             win = self.backend if isinstance(self.backend, str) else self.backend.get("win", "reference")
             o = functional.sliding_window_attention(q, k, v, c, backend=win)
         else:
@@ -120,17 +134,21 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False), nn.GELU(),
                                  nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False))
 
-    def forward(self, x, sources=None, sel_rows=None, detach_q=True):
+    def forward(self, x, sources=None, sel_rows=None, detach_q=True, cp_group=None):
         """``x`` after the block; with ``sel_rows`` (NSA: experiments.lm.recipe's selection loss) also this
-        layer's selection loss on its attention input, else None."""
+        layer's selection loss on its attention input, else None. ``cp_group``: x is this rank's part of one
+        sequence (context parallel); the selection loss then reads the whole sequence's input, gathered."""
         h = self.norm1(x)
         if self.selection != "topn" and isinstance(self.attn, NSAAttention):  # experiments.lm.ablations
             x = x + self.attn(h, block_indices=ablations.block_indices(self.attn, h, self.selection, sources))
+        elif cp_group is not None:
+            x = x + self.attn(h, cp_group=cp_group)
         else:
             x = x + self.attn(h)
         aux = None
         if sel_rows is not None and isinstance(self.attn, NSAAttention):
-            aux = recipe.selection_kl(self.attn, h, sel_rows, detach_q)
+            whole = h if cp_group is None else cpar.gather_sequence(h, cp_group)
+            aux = recipe.selection_kl(self.attn, whole, sel_rows, detach_q)
         return x + self.mlp(self.norm2(x)), aux
 
 
@@ -142,7 +160,8 @@ class LM(nn.Module):
     ``oracle`` needs ``sources`` ([B,T], each answer's source position: the task's ``sources``).
 
     ``forward(idx, sources, sel_rows=[B,R])`` (training with ``train.recipe.sel_loss``, ``experiments.lm.recipe``)
-    returns ``(logits, the NSA layers' mean selection loss)``."""
+    returns ``(logits, the NSA layers' mean selection loss)``. ``forward(idx_r, .., cp_group=group)``: ``idx_r`` is
+    this rank's part of each sequence (``nsa.context_parallel.shard``), the logits are that part's."""
 
     def __init__(self, cfg: LMConfig, vocab_size: int, attention: str, *, backend="reference", fallback=None,
                  streams: bool = True, selection: str = "topn"):
@@ -177,11 +196,11 @@ class LM(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx, sources=None, sel_rows=None, detach_q=True):
+    def forward(self, idx, sources=None, sel_rows=None, detach_q=True, cp_group=None):
         x = self.emb(idx)
         aux = []
         for block in self.blocks:
-            x, a = block(x, sources, sel_rows, detach_q)
+            x, a = block(x, sources, sel_rows, detach_q, cp_group)
             if a is not None:
                 aux.append(a)
         logits = F.linear(self.norm(x), self.emb.weight)

@@ -69,11 +69,15 @@ class GateMeans(_GateHooks):
                     self._masked[i].add_(1)
         return hook
 
-    def take(self) -> dict[str, float]:
+    def take(self, reduce=None) -> dict[str, float]:
         """``gate_<branch>`` (mean over layers) and ``gate_<branch>_l<i>``; where every forward had a mask,
-        ``gate_<branch>_answers`` and ``gate_<branch>_answers_l<i>`` too; resets the sums."""
+        ``gate_<branch>_answers`` and ``gate_<branch>_answers_l<i>`` too; resets the sums. ``reduce``: sums a
+        tensor in place over the processes of one training (each saw its part of the batch), first."""
         if not self._handles:
             return {}
+        if reduce is not None:
+            for t in (self._sum, self._n, self._ans, self._ans_n, self._masked):
+                reduce(t)
         n, masked = self._n.cpu(), self._masked.cpu()
         if not bool((n > 0).all()):
             return {}
@@ -163,7 +167,7 @@ def compressed_scores(layer: NSAAttention, q, kv, q_start: int = 0):
     ``[B,R,H,ceil((q_start + R) / l_sel)]``."""
     c = layer.config
     k_cmp, v_cmp = layer.compress(kv["k_cmp_raw"], kv["v_cmp_raw"])
-    _, p_cmp = functional.compressed_attention(q, k_cmp, v_cmp, c, q_start=q_start)
+    _, p_cmp = functional.compressed_attention(q, k_cmp.to(q.dtype), v_cmp.to(q.dtype), c, q_start=q_start)
     return functional.selection_scores(p_cmp, c, c.n_blocks(q_start + q.shape[1]))
 
 
@@ -212,9 +216,12 @@ def selection_quality(layer: NSAAttention, x: torch.Tensor, rows: int, answers: 
         raise ValueError(f"selection_quality: rows={rows} of T={T}: needs 1 <= rows <= T - n_sel * l_sel = "
                          f"{T - c.n_sel * c.l_sel} (every row must have more than n_sel candidate blocks)")
     with torch.autocast(x.device.type, enabled=False):
-        q, kv, _ = layer.project(x.float(), torch.arange(T, device=x.device))
-        q = q[:, r0:]
+        # the projections in the parameters' dtype (float32 in one process; FSDP2's compute dtype, bfloat16 on a
+        # GPU, over several: experiments/lm/distributed.py), the scores and masses in float32
+        q, kv, _ = layer.project(x.to(layer.q_proj.weight.dtype), torch.arange(T, device=x.device))
+        q = q[:, r0:].float()
         idx = functional.select_blocks(compressed_scores(layer, q, kv, r0), c, q_start=r0)
+        kv = {**kv, "k_sel": kv["k_sel"].float()}
     mass, recall = [], []
     step = rows_per_chunk(B, c.n_heads, T)
     for a in range(0, rows, step):

@@ -107,12 +107,14 @@ def selection_kl(layer: NSAAttention, x: torch.Tensor, rows: torch.Tensor, detac
     R = rows.shape[1]
     H, HQ, G, Dk = c.n_kv_heads, c.n_heads, c.G, c.d_k
     with torch.autocast(x.device.type, enabled=False):
-        x = x.float()
+        # the projections in the parameters' dtype (float32 in one process; FSDP2's compute dtype, bfloat16 on a
+        # GPU, over several: experiments/lm/distributed.py), the scores and the divergence in float32
+        x = x.to(layer.q_proj.weight.dtype)
         pos = torch.arange(T, device=x.device)
         xr = x.gather(1, rows[..., None].expand(B, R, x.shape[-1]))
-        q = _rope_at(layer.q_proj(xr).view(B, R, HQ, Dk), rows, c.rope_base)
+        q = _rope_at(layer.q_proj(xr).view(B, R, HQ, Dk).float(), rows, c.rope_base)
         k_cmp_raw = layer.kv_proj["k_cmp"](x).view(B, T, H, Dk)
-        k_cmp = functional.compress(_rope_at(k_cmp_raw, pos.expand(B, T), c.rope_base), c, layer.phi_k)
+        k_cmp = functional.compress(_rope_at(k_cmp_raw, pos.expand(B, T), c.rope_base), c, layer.phi_k).float()
         Tc, nb = k_cmp.shape[1], c.n_blocks(T)
         qs = q.detach() if detach_q else q
         # Eq. 8 at each row's own position: compressed token i is visible iff i * d + l - 1 <= t
@@ -121,7 +123,7 @@ def selection_kl(layer: NSAAttention, x: torch.Tensor, rows: torch.Tensor, detac
         p_cmp = torch.softmax(s.masked_fill(~visible[:, :, None, None], -math.inf), -1)
         scores = functional.selection_scores(p_cmp.flatten(2, 3), c, nb)  # Eqs. 9-10: [B,R,H,nb]
         with torch.no_grad():
-            k_sel = _rope_at(layer.kv_proj["k_sel"](x).view(B, T, H, Dk), pos.expand(B, T), c.rope_base)
+            k_sel = _rope_at(layer.kv_proj["k_sel"](x).view(B, T, H, Dk).float(), pos.expand(B, T), c.rope_base)
             full = torch.einsum("brhgd,bshd->brhgs", q.detach().view(B, R, H, G, Dk), k_sel) / math.sqrt(Dk)
             future = pos[None, None, :] > rows[..., None]  # [B,R,T]
             p_full = torch.softmax(full.masked_fill(future[:, :, None, None], -math.inf), -1)
