@@ -63,29 +63,36 @@ def _store(tmp: Path, template: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, template):
-    """One process's uninterrupted runs, NSA and dense: attention -> (run, curves)."""
-    out = {}
-    for attention in ("nsa", "dense"):
-        tmp = _store(tmp_path_factory.mktemp(f"single_{attention}"), template)
-        rc, _, err = wait(one(tmp, *BASE, f"attention={attention}"), timeout=600)
-        assert rc == 0, err[-3000:]
-        out[attention] = curves(tmp)
-    return out
+    """One process's uninterrupted run of ``BASE`` plus the given overrides, each made once: (run, curves)."""
+    made = {}
+
+    def get(*args: str):
+        if args not in made:
+            tmp = _store(tmp_path_factory.mktemp("single"), template)
+            rc, _, err = wait(one(tmp, *BASE, *args), timeout=600)
+            assert rc == 0, err[-3000:]
+            made[args] = curves(tmp)
+        return made[args]
+    return get
 
 
-@pytest.mark.parametrize("attention,n,split", [
-    ("nsa", 2, ["parallel.dp=2"]),
-    ("nsa", 2, ["parallel.cp=2"]),
-    ("dense", 2, ["parallel.dp=2"]),
-    ("dense", 2, ["parallel.cp=2"]),
-    ("nsa", 4, ["parallel.dp=2", "parallel.cp=2", "train.grad_accum=2"]),
-], ids=["nsa-dp2", "nsa-cp2", "dense-dp2", "dense-cp2", "nsa-dp2xcp2-accum2"])
-def test_every_step_equals_one_process(tmp_path, template, single, attention, n, split):
+@pytest.mark.parametrize("model,n,split", [
+    (["attention=nsa"], 2, ["parallel.dp=2"]),
+    (["attention=nsa"], 2, ["parallel.cp=2"]),
+    (["attention=dense"], 2, ["parallel.dp=2"]),
+    (["attention=dense"], 2, ["parallel.cp=2"]),
+    (["attention=nsa"], 4, ["parallel.dp=2", "parallel.cp=2", "train.grad_accum=2"]),
+    (["lm=hf", "attention=nsa"], 2, ["parallel.dp=2"]),
+    (["lm=hf", "attention=dense"], 2, ["parallel.dp=2"]),
+], ids=["nsa-dp2", "nsa-cp2", "dense-dp2", "dense-cp2", "nsa-dp2xcp2-accum2", "hf-nsa-dp2", "hf-dense-dp2"])
+def test_every_step_equals_one_process(tmp_path, template, single, model, n, split):
+    if "lm=hf" in model:
+        pytest.importorskip("transformers", reason="lm=hf needs the hf extra (pip install -e '.[hf]')")
     _store(tmp_path, template)
-    rc, out, err = wait(torchrun(tmp_path, n, *BASE, f"attention={attention}", *split), timeout=900)
+    rc, out, err = wait(torchrun(tmp_path, n, *BASE, *model, *split), timeout=900)
     assert rc == 0, err[-3000:]
     run, got = curves(tmp_path, ("loss", "val_loss", "accuracy", "tokens_per_s", "tokens_per_s_per_gpu"))
-    ref_run, ref = single[attention]
+    ref_run, ref = single(*model)
     assert run.info.status == "FINISHED"
     for key in ("loss", "val_loss"):
         assert len(got[key]) == len(ref[key]) > 0 and close(got[key], ref[key]), (key, got[key], ref[key])
@@ -136,7 +143,7 @@ def test_checkpoint_resumes_on_another_world_size(tmp_path, template, single, fi
     assert f"resuming run {found['run_id']} from its checkpoint at step 1" in err
     run, got = curves(tmp_path)
     assert run.info.run_id == found["run_id"] and run.info.status == "FINISHED"
-    _, ref = single["nsa"]
+    _, ref = single("attention=nsa")
     assert close(got["loss"], ref["loss"]) and close(got["val_loss"], ref["val_loss"]), (got, ref)
 
 
@@ -193,7 +200,8 @@ def _ranks(tmp: Path, n: int, *args: str) -> list[tuple[int, str]]:
     (2, ["parallel.cp=2", "data.seq_len=102"], ["seq=102: parallel.cp=2", "multiple of 4"]),
     (2, ["parallel.dp=2", "train.batch=3"], ["train.batch=3", "multiple of parallel.dp x train.grad_accum = 2 x 1"]),
     (2, ["parallel.dp=2", "train.batch=4", "train.grad_accum=4"], ["train.batch=4", "= 2 x 4 = 8"]),
-], ids=["dp-x-cp-not-world", "seq-not-split", "batch-not-divided", "batch-not-accumulated"])
+    (2, ["parallel.cp=2", "lm=hf"], ["lm=hf: does not run context parallel yet"]),
+], ids=["dp-x-cp-not-world", "seq-not-split", "batch-not-divided", "batch-not-accumulated", "hf-cp"])
 def test_bad_launch_is_one_line_exit_2_on_every_rank(tmp_path, n, args, says):
     for rc, err in _ranks(tmp_path, n, "train=smoke", *args):
         lines = one_line(err)
