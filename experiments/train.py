@@ -162,7 +162,9 @@ def work(job: Job) -> Result:
     def log_step(metrics: dict, step: int) -> None:
         if run is None:  # a rank > 0: rank 0 logs the reduced figures
             return
-        run.log_metrics(metrics, step)
+        # loss first: tracking.log_batch stores it last where a step takes several calls, and a resumed run counts a
+        # step as logged by its loss
+        run.log_metrics({"loss": metrics["loss"], **metrics}, step)
         if "val_loss" in metrics or step == tc.steps:
             log.info(f"[train] step {step}/{tc.steps}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f}"
                      + (f" val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f}"

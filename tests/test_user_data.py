@@ -1,6 +1,7 @@
 """Nothing of the user's is lost, through the real CLI: a config error removes only what its own process made
 (never a folder or a file that was there before: ``hydra.run.dir=logs``, ``hydra.run.dir=.``), and a checkpoint
-whose bytes changed is refused in one line before its run is reopened (the digest written with it)."""
+whose bytes changed is refused in one line before its run is reopened (the digest written with it), and a step
+whose store calls fail midway is logged whole or not at all."""
 from __future__ import annotations
 
 import zipfile
@@ -70,3 +71,39 @@ def test_a_corrupted_checkpoint_is_refused_before_its_run_is_reopened(tmp_path):
     (after,) = entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
     assert (after.info.status, after.info.end_time, after.data.tags) == \
         (before.info.status, before.info.end_time, before.data.tags)  # not reopened
+
+
+class _FailingCall:
+    """An MlflowClient (a real SQLite store) whose ``fail_at``-th ``log_batch`` call raises, as a server lost
+    mid-step would."""
+
+    def __init__(self, client, fail_at: int):
+        self.client, self.fail_at, self.calls = client, fail_at, 0
+
+    def log_batch(self, *args, **kw):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ConnectionError("the store went away")
+        return self.client.log_batch(*args, **kw)
+
+
+@pytest.mark.parametrize("n", [150, 1000, 1500])
+def test_a_step_is_whole_or_not_logged(tmp_path, n):
+    """A step's metrics, the second store call failing: either every metric of the step is stored, or its first
+    (the one a resumed training reads to count a step as logged: its loss) is not. Up to MLflow's 1000 metrics a call,
+    the step is one call."""
+    from mlflow import MlflowClient
+
+    from experiments.framework import tracking
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rid = client.create_run(client.create_experiment("x")).info.run_id
+    metrics = {"loss": 1.0, **{f"m{i:04d}": float(i) for i in range(n - 1)}}
+    failing = _FailingCall(client, fail_at=2)
+    try:
+        tracking.log_batch(failing, rid, metrics=metrics, step=7)
+    except ConnectionError:
+        pass
+    stored = client.get_run(rid).data.metrics
+    assert failing.calls == (1 if n <= 1000 else 2)
+    assert ("loss" not in stored) if len(stored) < n else stored == metrics, (len(stored), "loss" in stored)

@@ -400,15 +400,22 @@ def environment(dev: Device) -> dict:
 
 def log_batch(client, rid: str, metrics: dict[str, float] | None = None, step: int = 0,
               params: dict[str, str] | None = None, tags: dict[str, str] | None = None) -> None:
-    """Metrics (at ``step``), params and tags in as few store calls as MLflow allows."""
+    """Metrics (at ``step``), params and tags in as few store calls as MLflow allows (1000 metrics, 100 params and
+    100 tags a call). A step's metrics go in one call up to 1000 of them; past that, the first metric goes in the last
+    call, so that a reader who takes a step as logged once its first metric is stored (a resumed training's
+    ``loss``) never meets a step whose other metrics were lost to a failed call."""
     from mlflow.entities import Metric, Param, RunTag
 
     now = int(time.time() * 1000)
     ms = [Metric(k, float(v), now, step) for k, v in (metrics or {}).items()]
     ps = [Param(k, str(v)[:6000]) for k, v in (params or {}).items()]
     ts = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
-    for i in range(0, max(len(ms), len(ps), len(ts), 1), 100):  # MLflow's limit: 100 params/tags per call
-        client.log_batch(rid, metrics=ms[i:i + 100], params=ps[i:i + 100], tags=ts[i:i + 100])
+    if len(ms) > 1000:
+        ms = ms[1:] + ms[:1]
+    calls = max(-(-len(ms) // 1000), -(-len(ps) // 100), -(-len(ts) // 100), 1)
+    for i in range(calls):
+        client.log_batch(rid, metrics=ms[i * 1000:(i + 1) * 1000], params=ps[i * 100:(i + 1) * 100],
+                         tags=ts[i * 100:(i + 1) * 100])
 
 
 def log_series(client, rid: str, points: list[tuple[str, float, int]]) -> None:
