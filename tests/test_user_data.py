@@ -73,6 +73,35 @@ def test_a_corrupted_checkpoint_is_refused_before_its_run_is_reopened(tmp_path):
         (before.info.status, before.info.end_time, before.data.tags)  # not reopened
 
 
+def test_a_malformed_checkpoint_is_one_line(tmp_path):
+    """A checkpoint whose digest holds but whose fields do not (rewritten by hand, by another tool): each missing or
+    mistyped field refused in one line naming it, exit 2, the run not reopened."""
+    import torch
+
+    from experiments.lm import checkpoint
+
+    rc, _out, err = wait(start(tmp_path, "train", *TRAIN, "train.time_limit_s=1e-9", name="run"))
+    assert rc == 1, err[-3000:]
+    ckpt = tmp_path / "out" / "run" / "ckpt" / "last.pt"
+    good = torch.load(ckpt, weights_only=True)
+    (before,) = entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
+    cases = {"step": ("missing", "an integer in [0, 2**62] (missing)"), "data_position": (-1, "(int -1)"),
+             "run_id": (7, "a non-empty string (int 7)"), "config": ("x", "a mapping (str 'x')")}
+    for key, (value, says) in cases.items():
+        state = {k: v for k, v in good.items() if k not in ("format", "digest")}
+        if value == "missing":
+            del state[key]
+        else:
+            state[key] = value
+        checkpoint.save(ckpt.parent, state)
+        rc, _out, err = wait(start(tmp_path, "train", *TRAIN, name="run"))
+        lines = one_line(err)
+        assert rc == 2 and len(lines) == 1, err[-3000:]
+        assert f"{ckpt}: a malformed checkpoint: {key} must be" in lines[0] and says in lines[0], lines[0]
+    (after,) = entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
+    assert (after.info.status, after.info.end_time) == (before.info.status, before.info.end_time)  # not reopened
+
+
 class _FailingCall:
     """An MlflowClient (a real SQLite store) whose ``fail_at``-th ``log_batch`` call raises, as a server lost
     mid-step would."""

@@ -243,7 +243,26 @@ def meta(ckpt_dir) -> dict | None:
     if state is not None:
         found.append({**{k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}, "kind": "file",
                       "path": path(d)})
+    for m in found:
+        _check_fields(m)
     return max(found, key=lambda m: m["step"]) if found else None
+
+
+# What a checkpoint's plain fields must be before a run is reopened from them: (type, rule, test)
+_FIELDS = {"run_id": (str, "a non-empty string", lambda v: bool(v)),
+           "step": (int, "an integer in [0, 2**62]", lambda v: 0 <= v <= 2**62),
+           "data_position": (int, "an integer in [0, 2**62]", lambda v: 0 <= v <= 2**62),
+           "config": (dict, "a mapping", lambda v: True)}
+
+
+def _check_fields(m: dict) -> None:
+    """A checkpoint whose ``run_id``, ``step``, ``data_position`` or ``config`` is missing or of another kind is
+    :class:`Unreadable`, naming the field and its rule (not a KeyError or TypeError later)."""
+    for key, (kind, rule, ok) in _FIELDS.items():
+        v = m.get(key)
+        if key not in m or not isinstance(v, kind) or isinstance(v, bool) or not ok(v):
+            got = "missing" if key not in m else f"{type(v).__name__} {v!r}"[:80]
+            raise Unreadable(f"{m['path']}: a malformed checkpoint: {key} must be {rule} ({got})")
 
 
 def load_sharded(where: Path, model, opt) -> None:
