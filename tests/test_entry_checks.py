@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
-from entrypoints import make_template, one_line, run_bounded, start
+from entrypoints import make_template, one_line, run_bounded, start, wait
 from mlflow import MlflowClient
 
 TINY_GENERATE = ["model=tiny", "seq=64", "generate.lm.n_layers=2", "generate.lm.mlp_hidden=128", "generate.lm.vocab=256"]
@@ -41,3 +41,18 @@ def test_an_entrys_own_rule_refuses_before_any_run(refused, case):
     assert not (tmp / "out").exists()
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
     assert all(not c.search_runs([e.experiment_id]) for e in c.search_experiments())
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "per_gpu"])
+def test_a_launcher_without_its_extra_names_the_extra(tmp_path, launcher):
+    """Hydra's submitit launcher hidden (as on the Quickstart's install, without the cluster extra): one line
+    naming the extra, exit 2, nothing made."""
+    driver = ("import runpy, sys\nsys.modules['hydra_plugins.hydra_submitit_launcher'] = None\n"
+              "sys.argv[0] = 'experiments.decode'\n"
+              "runpy.run_module('experiments.decode', run_name='__main__', alter_sys=True)\n")
+    rc, _, err = wait(start(tmp_path, "decode", "-m", f"hydra/launcher={launcher}", "hardware=cpu", "seq=64,128",
+                            driver=driver), timeout=300)
+    assert rc == 2 and one_line(err) == [
+        f"config error: hydra/launcher={launcher}: needs the cluster extra (Hydra's submitit launcher, "
+        f"hydra_plugins.hydra_submitit_launcher): pip install -e '.[cluster]'"], err[-3000:]
+    assert not (tmp_path / "mlflow.db").exists()

@@ -187,6 +187,9 @@ def precheck(argv: list[str], entry: str) -> None:
                     what = "backend" if key == "backend" else f"{key} option"
                     extra = " (one branch: backend.sel=<name>)" if key == "backend" else ""
                     config_exit(f"{key}={v}: unknown {what}; choose one of {', '.join(known[key])}{extra}")
+        if key == "hydra/launcher":
+            for v in vals:
+                _launcher_installed(v)
         if ov.is_sweep_override():
             if not multirun:
                 config_exit(f"{arg}: a list of values is a sweep; add -m (python -m experiments.{entry} -m {arg})")
@@ -209,6 +212,28 @@ def precheck(argv: list[str], entry: str) -> None:
         except OmegaConfBaseException:  # resolved by Hydra alone (e.g. from the job's overrides)
             return
         check_writable("hydra.run.dir", run_dir)
+
+
+# The launchers that come with an extra: option -> (the module Hydra loads, the extra)
+EXTRA_LAUNCHERS = {"slurm": ("hydra_plugins.hydra_submitit_launcher", "cluster"),
+                   "per_gpu": ("hydra_plugins.hydra_submitit_launcher", "cluster")}
+
+
+def _launcher_installed(option: str) -> None:
+    """``hydra/launcher=<option>`` whose plugin is not installed: one line naming the extra (Hydra would say only
+    that it could not load the launcher's config)."""
+    import importlib.util
+
+    if option not in EXTRA_LAUNCHERS:
+        return
+    module, extra = EXTRA_LAUNCHERS[option]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        config_exit(f"hydra/launcher={option}: needs the {extra} extra (Hydra's submitit launcher, {module}): "
+                    f"pip install -e '.[{extra}]'")
 
 
 def check_writable(key: str, folder: str) -> None:
