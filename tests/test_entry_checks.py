@@ -56,3 +56,18 @@ def test_a_launcher_without_its_extra_names_the_extra(tmp_path, launcher):
         f"config error: hydra/launcher={launcher}: needs the cluster extra (Hydra's submitit launcher, "
         f"hydra_plugins.hydra_submitit_launcher): pip install -e '.[cluster]'"], err[-3000:]
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_hf_integration_without_its_extra_names_the_extra():
+    """``import nsa.integrations.hf`` where transformers is not installed (hidden here): an ImportError whose one
+    message line names the extra and its install line."""
+    import subprocess
+    import sys
+
+    import entrypoints
+
+    code = "import sys\nsys.modules['transformers'] = None\nimport nsa.integrations.hf\n"
+    p = subprocess.run([sys.executable, "-c", code], env=entrypoints.env(), capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("ImportError: nsa.integrations.hf needs transformers, the hf extra: "
+                                                  "pip install -e '.[hf]'"), p.stderr[-2000:]

@@ -35,8 +35,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-from transformers.cache_utils import CacheLayerMixin
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.cache_utils import CacheLayerMixin
+except ImportError as e:  # the [hf] extra is not installed: say which, in one line
+    raise ImportError(f"nsa.integrations.hf needs transformers, the hf extra: pip install -e '.[hf]' ({e})") from None
 
 from .. import dispatch
 from ..config import NSAConfig
