@@ -71,3 +71,18 @@ def test_the_hf_integration_without_its_extra_names_the_extra():
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and last.startswith("ImportError: nsa.integrations.hf needs transformers, the hf extra: "
                                                   "pip install -e '.[hf]'"), p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("arg,says", [
+    ("train.lr=inf", "train.lr=inf: must be a finite number"),
+    ("train.weight_decay=inf", "train.weight_decay=inf: must be a finite number"),
+    ("train.grad_clip=inf", "train.grad_clip=inf: must be a finite number"),
+    ("train.time_limit_s=inf", "train.time_limit_s=inf: must be a finite number (null: no time limit)"),
+    ("train.min_lr_ratio=nan", "train.min_lr_ratio=nan: must be a finite number"),
+])
+def test_a_non_finite_training_number_is_one_line(tmp_path, arg, says):
+    """A training hyper-parameter that is inf or nan (one that passed the range checks ran to a NaN loss, or to no
+    end): one line, exit 2, no store made."""
+    rc, _, err = wait(start(tmp_path, "train", "train=smoke", arg), timeout=300)
+    assert rc == 2 and one_line(err) == [f"config error: {says}"], err[-3000:]
+    assert not (tmp_path / "mlflow.db").exists()

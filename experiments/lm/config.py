@@ -88,6 +88,9 @@ class TrainConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) and not (f == "time_limit_s" and v is None):
                 raise ValueError(f"train.{f}={v!r}: must be a number")
+            if v is not None and not math.isfinite(v):  # inf or nan: a run that trains to a NaN loss, or never stops
+                raise ValueError(f"train.{f}={v!r}: must be a finite number"
+                                 + (" (null: no time limit)" if f == "time_limit_s" else ""))
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"train.compile={self.compile!r}: must be one of {', '.join(COMPILE_MODES)}")
         if not isinstance(self.save_selections, bool):
