@@ -79,6 +79,8 @@ def pytest_addoption(parser):
     parser.addoption("--inject-fault", default=None, choices=("cmp", "sel", "win"),
                      help="test switch: that branch's output is wrong in every backend but the reference "
                           "(experiments/validation/faults.py); the kernel tests must then fail")
+    parser.addoption("--daemons", action="store_true", default=False,
+                     help="run the tests marked daemons, which install and start system services (.ci/run does)")
 
 
 @pytest.fixture(autouse=True)
@@ -141,12 +143,15 @@ QUICK_MODULES = frozenset(f"test_{m}.py" for m in (
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests of QUICK_MODULES not marked ``slow`` get the ``quick`` marker. Tests marked ``gpu`` run compiled
+    """Tests of QUICK_MODULES not marked ``slow`` get the ``quick`` marker. Tests marked ``daemons`` skip unless
+    ``--daemons`` asks for them (a plain pytest starts no system service). Tests marked ``gpu`` run compiled
     kernels on CUDA: without a CUDA device they are deselected (reported as deselected, never as passed or
     skipped)."""
     for item in items:
         if item.path.name in QUICK_MODULES and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.quick)
+        if item.get_closest_marker("daemons") and not config.getoption("--daemons"):
+            item.add_marker(pytest.mark.skip(reason="starts SLURM, munge and MariaDB as root: run with pytest --daemons"))
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]

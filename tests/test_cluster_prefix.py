@@ -30,6 +30,7 @@ DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")
 BUDGET_MIB = 25  # what the .deb files may take in the 64 MiB that travel to the GPU box
 
 pytestmark = [
+    pytest.mark.daemons,  # skipped unless pytest --daemons (tests/conftest.py; .ci/run asks)
     pytest.mark.skipif(os.geteuid() != 0, reason="scripts/cluster.sh up needs root"),
     pytest.mark.skipif(not (shutil.which("dpkg") and shutil.which("apt-get")), reason="fetch and unpack need apt-get and dpkg"),
 ]

@@ -102,3 +102,18 @@ def test_quickstart_installs_a_supported_pair():
 def test_ci_checks_the_install_lines_on_a_stock_index():
     ci = (README.parent / ".ci" / "run").read_text()
     assert "python scripts/check_install.py" in ci
+
+
+def test_the_readme_test_command_starts_no_daemons():
+    """The README's test command on the tests that start system services: skipped with the option that asks for
+    them named (a plain pytest installs and starts nothing of the system's)."""
+    import subprocess
+    import sys
+
+    import entrypoints
+
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cluster_prefix.py"], cwd=entrypoints.REPO,
+                       env=entrypoints.env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "2 skipped" in p.stdout, p.stdout[-2000:]
+    assert "starts SLURM, munge and MariaDB as root: run with pytest --daemons" in p.stdout
+    assert "passed" not in p.stdout
