@@ -1,5 +1,5 @@
-"""Long work shows its progress with the time left on a terminal, and prints nothing of it elsewhere (issue
-46), through the real CLI: a training run's steps, a sweep's jobs, validate's kernel tests
+"""Long work shows its progress with the time left on a terminal, and elsewhere a log line at most every 30 s,
+none for shorter work (issues 46, 52), through the real CLI: a training run's steps, a sweep's jobs, validate's kernel tests
 (experiments/progress.py, tqdm). A
 pseudo-terminal (120 columns) stands for the user's terminal."""
 from __future__ import annotations
@@ -113,3 +113,26 @@ def test_without_a_terminal_no_bar_is_printed(runs, case):
     rc, text = runs[case]
     assert rc == RC[case.split("_")[0]] and "Traceback" not in text, text[-3000:]
     assert not re.search(r"\d+%\|", text) and "step/s" not in text and "job/s" not in text, text[-3000:]
+
+
+def test_off_a_terminal_long_work_logs_a_line_at_most_every_interval(caplog, monkeypatch):
+    """stderr not a terminal (a pipe, ``| tee``, a batch job's file): long work logs its count and the time left at
+    most every ``every_s`` seconds (here 0.2 s), and work shorter than that logs nothing."""
+    import logging
+
+    from experiments import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    with caplog.at_level(logging.INFO, logger="experiments.progress"):
+        with progress.bar(3, "train", "step") as b:  # the default interval: 30 s, never reached here
+            b.update(3)
+        assert not caplog.records
+        t0 = time.monotonic()
+        with progress.bar(8, "train", "step", every_s=0.2) as b:
+            for _ in range(8):
+                time.sleep(0.1)
+                b.update(1)
+        took = time.monotonic() - t0
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= took / 0.2 + 1, lines
+    assert all(re.fullmatch(r"train: [1-8]/8 steps, \d\d:\d\d so far, \d\d:\d\d left", ln) for ln in lines), lines
