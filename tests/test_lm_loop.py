@@ -140,7 +140,8 @@ def test_unavailable_backend_fails_before_anything_is_written(tmp_path):
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A save that dies half-way leaves the previous checkpoint whole."""
-    checkpoint.save(tmp_path, {"run_id": "r", "step": 1})
+    whole = {"data_position": 1, "config": {}}  # a checkpoint's fields besides the run and step (checkpoint.meta)
+    checkpoint.save(tmp_path, {"run_id": "r", "step": 1, **whole})
 
     def dies(obj, f):
         f.write(b"half a checkpoint")
@@ -148,7 +149,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", dies)
     with pytest.raises(OSError):
-        checkpoint.save(tmp_path, {"run_id": "r", "step": 2})
+        checkpoint.save(tmp_path, {"run_id": "r", "step": 2, **whole})
     assert checkpoint.peek(tmp_path) == {"run_id": "r", "step": 1}
 
 
