@@ -220,10 +220,11 @@ def test_dp_without_torchrun_is_refused(tmp_path):
 
 
 def test_bad_launch_under_torchrun_stops_every_rank(tmp_path):
-    """The same refusal through torchrun itself: it returns promptly (no rank waits in a collective), each rank's
-    one line printed."""
+    """The same refusal through torchrun itself: it returns promptly (no rank waits in a collective), the one line
+    printed (by the rank that exits first at least: torchrun then stops the other) and no traceback."""
     t0 = time.monotonic()
     rc, _, err = wait(torchrun(tmp_path, 2, "train=smoke", "parallel.dp=4"), timeout=300)
     assert rc != 0 and time.monotonic() - t0 < 240
-    assert err.count("dp x cp = 4 must equal torchrun's WORLD_SIZE=2") == 2, err[-3000:]
+    assert err.count("dp x cp = 4 must equal torchrun's WORLD_SIZE=2") >= 1, err[-3000:]
+    assert "FileNotFoundError" not in err and "Unable to configure handler" not in err, err[-3000:]
     assert not (tmp_path / "mlflow.db").exists()

@@ -138,11 +138,12 @@ class RunDirWatch(Callback):
 def remove_empty_output_dir(hc) -> None:
     """A single run stopped by a config error leaves no files: what this process made in Hydra's run dir (its
     .hydra/ and the log file) goes, then the folders it made, each only if now empty. Nothing is removed that was
-    there before the run started (RunDirWatch), nor anything where that is unknown."""
+    there before the run started (RunDirWatch), nor anything where that is unknown, nor anything under torchrun with
+    several ranks (they share the folder)."""
     global _run_dir_before
     before, _run_dir_before = _run_dir_before, None
-    if before is None:
-        return
+    if before is None or (parallel.torchrun_world() or 1) > 1:
+        return  # several ranks share the folder: another may still be opening its log file there
     top, had = before
     out = Path(hc.runtime.output_dir).absolute()
     if not out.is_dir():
