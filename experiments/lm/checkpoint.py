@@ -79,6 +79,15 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
+def _sync_dir(d: Path) -> None:
+    """Make the renames inside folder ``d`` themselves durable (an fsync of the folder)."""
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(ckpt_dir, state: dict) -> Path:
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -100,11 +109,7 @@ def save(ckpt_dir, state: dict) -> Path:
         kept = "the previous checkpoint is kept" if final.exists() else "no checkpoint was written"
         raise CheckpointWriteError(f"{final}: cannot write the checkpoint: {os.strerror(cause.errno).lower()} "
                                    f"({shutil.disk_usage(d).free / 2**20:.1f} MiB free there); {kept}") from e
-    fd = os.open(d, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _sync_dir(d)
     return final
 
 
@@ -164,11 +169,7 @@ def _swap_in(d: Path, tmp: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         (d / NAME).unlink()  # the newest checkpoint is the only one
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _sync_dir(d)
 
 
 def save_sharded(ckpt_dir, meta: dict, model, opt) -> Path:
