@@ -26,7 +26,7 @@ ARCHS = {  # Qwen2 has q/k/v biases and here a head tied to the embedding; Llama
     "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **SHAPE, attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True)),
-    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=24)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SHAPE, sliding_window=None)),
 }
 
 
@@ -187,6 +187,33 @@ def test_refusals_are_one_line_naming_the_cause():
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("arch, windowed, fix", [
+    ("mistral", dict(sliding_window=24), dict(sliding_window=None)),  # MistralConfig's default: 4096
+    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1, num_hidden_layers=3),
+     dict(layer_types=["full_attention"] * 3))])
+def test_a_sliding_window_model_is_refused_and_the_named_keyword_converts_it(arch, windowed, fix, tmp_path):
+    """NSA replaces full causal attention: a model whose dense attention is a sliding window (every layer of a
+    Mistral with sliding_window, Qwen2's layers past max_window_layers) is refused in one line naming the
+    from_pretrained keyword that loads it as full attention; with that keyword it converts."""
+    cls = {"mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+           "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[arch]
+    torch.manual_seed(0)
+    cls[0](cls[1](**{**SHAPE, **windowed})).save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError) as e:
+        hf.convert(model, **SETTINGS)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith({"mistral": "convert: sliding_window=24 (mistral)",
+                                    "qwen2": "convert: layer_types: layers 1, 2 'sliding_attention', sliding_window=24 "
+                                             "(qwen2)"}[arch])
+    kw = ", ".join(f"{k}={v!r}" if k != "layer_types" else "layer_types=['full_attention'] * 3" for k, v in fix.items())
+    assert str(e.value).endswith(f"load it with {kw}")
+    assert not any(isinstance(layer.self_attn, hf.NSASelfAttention) for layer in model.model.layers)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **fix)
+    hf.convert(model, **SETTINGS)
+    assert all(isinstance(layer.self_attn, hf.NSASelfAttention) for layer in model.model.layers)
+
+
 def test_padding_and_dense_checkpoints_are_refused(tmp_path):
     model = converted("llama")
     x = ids(T=20)
@@ -288,6 +315,15 @@ def test_lm_hf_path_starts_from_the_folder(folders):
     assert converted.keys() <= got.keys() and all(torch.equal(got[n], v) for n, v in converted.items())
     fresh = _build(f"lm.hf.path={folders / 'config'}", "attention=dense").hf.model.layers[1].self_attn.k_proj.weight
     assert fresh.shape == k.shape and not torch.equal(fresh, k)
+
+
+def test_lm_hf_mistral_is_full_attention_for_nsa_and_its_dense_baseline():
+    """lm.hf.arch=mistral: MistralConfig's default sliding_window (4096) would window the dense baseline and is
+    refused by convert; the experiments build it with full causal attention, what NSA replaces."""
+    dense = _build("lm.hf.arch=mistral", "attention=dense").hf
+    assert dense.config.sliding_window is None
+    nsa = _build("lm.hf.arch=mistral", "attention=nsa").hf
+    assert isinstance(nsa.model.layers[0].self_attn, hf.NSASelfAttention)
 
 
 def test_lm_hf_path_runs_and_refuses_in_one_line(folders, tmp_path):

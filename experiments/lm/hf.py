@@ -89,7 +89,8 @@ def hf_config(lm, vocab_size: int):
     a = lm.attention_config()
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig}[lm.hf["arch"]]
-    return cls(hidden_size=lm.dim, intermediate_size=lm.mlp_hidden, num_hidden_layers=lm.n_layers,
+    extra = {"sliding_window": None} if lm.hf["arch"] == "mistral" else {}  # full causal attention: what NSA replaces
+    return cls(**extra, hidden_size=lm.dim, intermediate_size=lm.mlp_hidden, num_hidden_layers=lm.n_layers,
                num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, head_dim=a.d_k,
                vocab_size=vocab_size, tie_word_embeddings=True,
                rope_parameters={"rope_type": "default", "rope_theta": a.rope_base})

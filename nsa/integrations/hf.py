@@ -11,7 +11,9 @@ dense layer's; each branch's key and value projections (compressed, selected, wi
 dense key and value projections (one shared pair with ``shared_kv=True``); phi (Eq. 7) and the gates (Eq. 5)
 start as the layer's own init (``phi_init`` / ``gate_bias`` choose another). Heads, GQA groups, head dim,
 projection biases and ``rope_theta`` come from the model; NSA rotates queries and keys with its own RoPE
-(``nsa.module.rope``, rotate-half, the model's theta), so a RoPE scaling or a partial rotary is refused.
+(``nsa.module.rope``, rotate-half, the model's theta), so a RoPE scaling or a partial rotary is refused, and
+so is a sliding-window attention (Mistral's ``sliding_window``, Qwen2's sliding layers): NSA replaces full
+causal attention, and the refusal names the keyword that loads the model as that.
 
 With a cache (``generate``, or ``model(ids, use_cache=True)``) each layer keeps an :class:`nsa.NSACache` in the
 transformers cache's slot for that layer (:class:`NSACacheLayer`, which grows it as tokens arrive): a prompt
@@ -256,6 +258,11 @@ def _model_fields(model) -> tuple[str, dict]:
     if getattr(cfg, "attention_dropout", 0.0):
         raise ValueError(f"convert: attention_dropout={cfg.attention_dropout!r} ({arch}): NSA has no attention "
                          "dropout; set it to 0")
+    windowed = _sliding_layers(cfg)
+    if windowed:
+        raise ValueError(f"convert: {windowed} ({arch}): a sliding-window attention, and NSA replaces full causal "
+                         "attention (its window is one branch of three); to take the model's attention as full "
+                         f"attention, load it with {_full_attention_fix(cfg)}")
     attn = _decoder_layers(model)[0].self_attn
     if isinstance(attn, NSASelfAttention):
         raise ValueError(f"convert: the model's attention is NSA already ({arch})")
@@ -263,6 +270,26 @@ def _model_fields(model) -> tuple[str, dict]:
     return arch, dict(dim=cfg.hidden_size, n_heads=cfg.num_attention_heads, n_kv_heads=cfg.num_key_value_heads,
                       d_k=head_dim, d_v=head_dim, rope_base=float(rp["rope_theta"]),
                       qkv_bias=attn.q_proj.bias is not None, o_bias=attn.o_proj.bias is not None)
+
+
+def _sliding_layers(cfg) -> str | None:
+    """What makes the model's dense attention a sliding window (transformers' ``layer_types`` naming a layer
+    other than ``full_attention``, or, without them, a ``sliding_window`` set, as Mistral's); None where
+    every layer attends to the whole causal prefix."""
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        other = [i for i, t in enumerate(types) if t != "full_attention"]
+        return (f"layer_types: layer{'s' if len(other) > 1 else ''} {', '.join(map(str, other))} "
+                f"{types[other[0]]!r}, sliding_window={getattr(cfg, 'sliding_window', None)}") if other else None
+    w = getattr(cfg, "sliding_window", None)
+    return f"sliding_window={w}" if w is not None else None
+
+
+def _full_attention_fix(cfg) -> str:
+    """The from_pretrained keyword that makes every layer of ``cfg`` full causal attention."""
+    if getattr(cfg, "layer_types", None) is not None:
+        return f"layer_types=['full_attention'] * {len(cfg.layer_types)}"
+    return "sliding_window=None"
 
 
 def _decoder_layers(model):
