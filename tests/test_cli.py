@@ -201,9 +201,11 @@ def test_documented_commands_cover_the_card_and_every_entry():
     assert "python -m experiments.decode hardware=cpu -m seq=256,512" in cmds  # its form, on a CPU
     assert {argv(c)[0][1] for c in cmds} == {f"experiments.{e}" for e in ENTRIES}
     assert any(not NEEDS_GPU.search(c) and argv(c)[0][1] == f"experiments.{e}" for e in ENTRIES for c in cmds)
-    # every cluster command is a run line of the README's cluster block, which tests/test_cluster.py runs,
-    # or of the block for a host without apt, which tests/test_cluster_prefix.py runs
-    sections = entrypoints.doc_section("Sweeps on a SLURM cluster") + entrypoints.doc_section("SLURM on a host without apt")
+    # every cluster command is a run line of the README's cluster block or of the block for a training over
+    # SLURM's tasks, which tests/test_cluster.py runs, or of the block for a host without apt, which
+    # tests/test_cluster_prefix.py runs
+    sections = "".join(entrypoints.doc_section(h) for h in (
+        "Sweeps on a SLURM cluster", "Several hosts: SLURM's tasks", "SLURM on a host without apt"))
     block = " ".join(re.findall(r"```bash\n(.*?)```", sections, re.S)).split("\n")
     runs = [" ".join(seg.split()) for ln in block for seg in ln.split("&&")]
     assert all(c in runs for c in cmds if NEEDS_CLUSTER.search(c))

@@ -470,6 +470,119 @@ def test_sigterm_to_a_slurm_sweep_cancels_its_jobs_and_leaves_nothing_running(cl
     assert kid.info.status == "KILLED" and kid.data.tags["error"] == "interrupted by SIGTERM", kid.data.tags  # its own
 
 
+# 4 steps of the smoke model, an evaluation and a sharded checkpoint every 2 (tests/test_train_parallel.py's BASE)
+TRAIN = ("train=smoke train.steps=4 train.log_every=1 train.eval_every=2 train.ckpt_every=2 train.eval_batches=1 "
+         "data.seq_len=128 train.batch=8")
+SLURM_TASKS = "-m hydra/launcher=slurm hydra.launcher.tasks_per_node=2 parallel.dp=2"
+DOC_TASKS = f"python -m experiments.train {SLURM_TASKS} train=smoke"  # docs/cluster.md "Several hosts", as written
+DOC_SRUN = "srun -n 2 -c 1 python -m experiments.train parallel.dp=2 train=smoke"
+
+
+def test_the_documented_slurm_training_lines_are_the_tested_ones():
+    assert DOC_TASKS in entrypoints.documented_commands()
+    assert DOC_SRUN in entrypoints.doc_section("One model over several GPUs")
+
+
+def train_curves(db: Path, run) -> dict:
+    import mlflow
+
+    c = mlflow.MlflowClient(f"sqlite:///{db}")
+    return {k: [(m.step, round(m.value, 12)) for m in sorted(c.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
+            for k in ("loss", "val_loss")}
+
+
+def test_one_training_over_two_slurm_tasks_equals_one_process(cluster, tmp_path):
+    """hydra/launcher=slurm with tasks_per_node=2 and parallel.dp=2: one SLURM job of two tasks, which find each
+    other from SLURM's environment (torch.distributed over gloo), FSDP2 over both; the job's one run (rank 0's)
+    has every step's loss and val_loss within 1e-4 of one process's, world_size 2, its SLURM job's tag, each
+    rank's log, and a checkpoint sharded in two."""
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "one").mkdir()
+    s = run_sweep(f"python -m experiments.train {SLURM_TASKS} {TRAIN}", tmp_path / "slurm",
+                  f"tracking.uri=sqlite:///{tmp_path / 'slurm' / 'mlflow.db'}")
+    assert s.rc == 0 and "Traceback" not in s.err, s.err[-3000:]
+    o = run_sweep(f"python -m experiments.train {TRAIN}", tmp_path / "one",
+                  f"tracking.uri=sqlite:///{tmp_path / 'one' / 'mlflow.db'}")
+    assert o.rc == 0, o.err[-3000:]
+    (kid,) = children(f"sqlite:///{tmp_path / 'slurm' / 'mlflow.db'}", s.parent)
+    _, (ref,) = entrypoints.runs(tmp_path / "one" / "mlflow.db", "train")
+    assert kid.info.status == "FINISHED" and kid.data.params["world_size"] == "2", kid.data.params
+    assert (kid.data.params["parallel.dp"], kid.data.tags["launcher"]) == ("2", "slurm")
+    job = kid.data.tags["slurm_job_id"]
+    got, want = train_curves(tmp_path / "slurm" / "mlflow.db", kid), train_curves(tmp_path / "one" / "mlflow.db", ref)
+    for k in want:
+        assert [st for st, _ in got[k]] == [st for st, _ in want[k]] and len(want[k]) >= 2, (k, got[k], want[k])
+        assert all(abs(a - b) <= 1e-4 * abs(b) for (_, a), (_, b) in zip(got[k], want[k])), (k, got[k], want[k])
+    (out,) = [d for d in s.dir.iterdir() if (d / "train.log").exists()]
+    assert "rank 1: done (rank 0 logs the run)" in (out / "train.rank1.log").read_text()
+    assert sorted(f.name for f in (out / "ckpt" / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    acct = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "JobID,State,NTasks,AllocCPUS"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert len(acct) == 1 and "|COMPLETED|" in acct[0], acct
+
+
+def test_srun_of_two_tasks_trains_one_model(cluster, tmp_path):
+    """``srun -n 2 python -m experiments.train parallel.dp=2 ...`` (a step of two tasks, no submitit job): the
+    tasks find each other from SLURM's variables as torchrun's ranks do; one run, world_size 2, rank 1's own log."""
+    cmd = [*DOC_SRUN.replace("python", sys.executable).split(), *TRAIN.split(),
+           f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, (run,) = entrypoints.runs(tmp_path / "mlflow.db", "train")
+    assert run.info.status == "FINISHED" and run.data.params["world_size"] == "2", run.data.params
+    assert "rank 1: done (rank 0 logs the run)" in r.stderr + r.stdout
+
+
+def _rank_pid(job: str, rank: int, deadline: float) -> int:
+    """The process of SLURM job ``job``'s task ``rank`` (submitit's task runner), read from /proc."""
+    while time.monotonic() < deadline:
+        for d in Path("/proc").iterdir():
+            try:
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                cmd = (d / "cmdline").read_text()
+            except (OSError, ValueError):
+                continue
+            if (env.get("SLURM_JOB_ID"), env.get("SLURM_PROCID")) == (job, str(rank)) and "submitit.core._submit" in cmd:
+                return int(d.name)
+        time.sleep(0.5)
+    raise AssertionError(f"no task {rank} of SLURM job {job}")
+
+
+def test_a_killed_slurm_rank_ends_its_job_and_the_resume_finishes_it(cluster, tmp_path):
+    """SIGKILL to rank 1 of a two-task training job mid-run: srun ends rank 0 (the launcher's
+    SLURM_KILL_BAD_EXIT), the sweep ends within 90 s with exit 1, the run KILLED or FAILED (never RUNNING), and
+    the printed resume command continues from the sharded checkpoint to the last step, FINISHED."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    steps = 40
+    t0 = time.monotonic()
+    p = start_sweep(f"python -m experiments.train {SLURM_TASKS} {TRAIN} train.steps={steps} train.ckpt_every=4",
+                    tmp_path, f"tracking.uri={uri}")
+    seen: list[str] = []
+    parent = parent_of(p, seen, t0 + 120)
+    kid = wait_running(p, uri, parent, t0 + 180)
+    import mlflow
+
+    c = mlflow.MlflowClient(uri)
+    while not [m for m in c.get_metric_history(kid.info.run_id, "loss") if m.step >= 8]:  # a checkpoint exists
+        assert p.poll() is None and time.monotonic() < t0 + 300, "".join(seen)
+        time.sleep(0.5)
+    os.kill(_rank_pid(kid.data.tags["slurm_job_id"], 1, t0 + 300), signal.SIGKILL)
+    killed = time.monotonic()
+    s = finish_sweep(p, t0, timeout=120)
+    assert s.rc == 1 and time.monotonic() - killed < 90, s.err[-3000:]
+    assert c.get_run(kid.info.run_id).info.status in ("KILLED", "FAILED")
+    (resume,) = [ln.split("resume:", 1)[1].strip() for ln in s.out.splitlines() if ln.startswith("resume:")]
+    r = run_sweep(resume, tmp_path, f"tracking.uri={uri}")
+    assert r.rc == 0, r.err[-3000:]
+    (log,) = [f for f in r.dir.glob("*/train.log")]
+    assert re.search(r"resuming run \w+ from its checkpoint at step ([4-9]|[1-3]\d)\b", log.read_text()), log.read_text()
+    runs = children(uri, parent)
+    assert all(x.info.status != "RUNNING" for x in runs)
+    last = c.get_run(runs[-1].info.run_id)
+    assert last.info.status == "FINISHED" and max(m.step for m in c.get_metric_history(last.info.run_id, "loss")) == steps
+
+
 def test_close_stale_asks_slurm_about_runs_of_other_hosts(cluster):
     """A RUNNING run of a SLURM job on another host (a compute node): its process cannot be checked from
     here, its job can. The run of an ended job is closed, the run of a job SLURM still runs is left."""

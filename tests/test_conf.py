@@ -254,3 +254,6 @@ def test_launchers_take_gpus_and_cores_from_the_hardware_profile(launcher, profi
     assert (hc.gpus_per_node, hc.cpus_per_task) == (gpus, cpus)
     threads = _compose("decode", ["hardware=cpu", "hardware.threads=4", f"hydra/launcher={launcher}"], hydra_cfg=True)
     assert threads.hydra.launcher.cpus_per_task == 4  # a CPU job's cores are its torch threads
+    ranks = _compose("train", [f"hardware={profile}", f"hydra/launcher={launcher}", "hydra.launcher.tasks_per_node=2"],
+                     hydra_cfg=True).hydra.launcher
+    assert ranks.gpus_per_node == 2 * gpus  # one job over 2 tasks a host: each rank its own GPUs

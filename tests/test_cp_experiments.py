@@ -124,7 +124,8 @@ def test_the_rule(monkeypatch):
         parallel.check(2, "prefill")
     with pytest.raises(ConfigError, match="parallel.cp=1: must equal torchrun's WORLD_SIZE=4"):
         parallel.check(1, "parity")  # every rank would run the whole job and log its own run
-    with pytest.raises(ConfigError, match="experiments.decode runs in one process, not under torchrun with WORLD_SIZE=4"):
+    with pytest.raises(ConfigError,
+                       match="experiments.decode runs in one process, not under torchrun or SLURM.s tasks with WORLD_SIZE=4"):
         parallel.check(1, "decode")
     with pytest.raises(ConfigError, match="a sweep"):
         parallel.check(1, "parity", sweep=True)

@@ -228,3 +228,50 @@ def test_bad_launch_under_torchrun_stops_every_rank(tmp_path):
     assert err.count("dp x cp = 4 must equal torchrun's WORLD_SIZE=2") >= 1, err[-3000:]
     assert "FileNotFoundError" not in err and "Unable to configure handler" not in err, err[-3000:]
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (["-m", "train=smoke", "parallel.dp=2"],
+     ["parallel.dp=2 parallel.cp=1: a sweep (-m) does not run over several processes",
+      "hydra/launcher=slurm hydra.launcher.tasks_per_node=2 parallel.dp=2 parallel.cp=1"]),
+    (["-m", "train=smoke", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2"],
+     ["parallel.dp=1 parallel.cp=1: dp x cp = 1 must equal the SLURM tasks of each job, "
+      "hydra.launcher.nodes x hydra.launcher.tasks_per_node = 2"]),
+    (["-m", "train=smoke", "hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2",
+      "parallel.dp=2"], ["dp x cp = 2 must equal the SLURM tasks of each job", "= 4"]),
+], ids=["basic-launcher", "slurm-tasks-without-dp", "slurm-nodes-times-tasks"])
+def test_a_sweep_over_processes_runs_on_slurm_tasks_only(tmp_path, args, says):
+    """A sweep's jobs over several processes: SLURM's tasks (each job its own nodes x tasks_per_node ranks, as
+    tests/test_cluster.py runs them), else one line naming the rule, exit 2, before any job or store exists."""
+    if "hydra/launcher=slurm" in args:
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install -e '.[cluster]'")
+    rc, _, err = wait(start(tmp_path, "train", *args), timeout=300)
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert all(s in lines[0] for s in says), lines[0]
+    assert not (tmp_path / "mlflow.db").exists() and not list(tmp_path.glob("outputs/train/*/.submitit"))
+
+
+def test_a_decode_sweep_is_not_split_over_slurm_tasks(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install -e '.[cluster]'")
+    rc, _, err = wait(start(tmp_path, "decode", "-m", "hardware=cpu", "hydra/launcher=slurm",
+                            "hydra.launcher.tasks_per_node=2"), timeout=300)
+    lines = one_line(err)
+    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert "hydra.launcher.nodes x hydra.launcher.tasks_per_node = 2: experiments.decode runs in one process" in lines[0]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_documented_slurm_gpu_launch_passes_the_launch_rule():
+    """docs/cluster.md's two-host line (not runnable here): dp x cp equals its nodes x tasks_per_node (the GPUs a
+    host it asks for: tests/test_conf.py's launcher test)."""
+    from experiments.framework import parallel
+
+    (line,) = [c for c in entrypoints.documented_commands()
+               if "hydra/launcher=slurm" in c.split() and "hydra.launcher.nodes=2" in c.split()]
+    kv = dict(a.split("=", 1) for a in line.split() if "=" in a and not a.startswith("hydra/"))
+    per_node = int(kv["hydra.launcher.tasks_per_node"])
+    parallel.check(int(kv["parallel.cp"]), "train", sweep=True, dp=int(kv["parallel.dp"]),
+                   tasks=int(kv["hydra.launcher.nodes"]) * per_node)
+    with pytest.raises(parallel.ConfigError, match="must equal the SLURM tasks of each job"):
+        parallel.check(int(kv["parallel.cp"]), "train", sweep=True, dp=int(kv["parallel.dp"]), tasks=per_node)

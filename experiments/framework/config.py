@@ -305,7 +305,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None
         check_toolchain()  # a known-bad torch/triton pairing stops here, with one line naming it
     except ToolchainError as e:
         raise ConfigError(one_line(e)) from e
-    cfg = _resolved(cfg, entry)
+    cfg = _resolved(cfg, entry, here)
     seq = cfg.seq
     profile, note, dev, device, dname = _hardware(cfg, here)
     ncfg = _model(cfg, entry)
@@ -334,7 +334,7 @@ def prepare(cfg: DictConfig, entry: str, here: bool = True, choices: dict | None
     return job
 
 
-def _resolved(cfg: DictConfig, entry: str) -> DictConfig:
+def _resolved(cfg: DictConfig, entry: str, here: bool = True) -> DictConfig:
     """A resolved copy of ``cfg`` without the hydra node, its types checked (an error names the key the user
     typed, read from the interpolations before resolving) and its ``parallel`` and ``tuning`` sections valid."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))  # a copy without the hydra node
@@ -346,8 +346,8 @@ def _resolved(cfg: DictConfig, entry: str) -> DictConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from e
     check_types(cfg, raw)
-    if "parallel" in cfg:  # parallel.cp > 1 only under torchrun with WORLD_SIZE == cp (experiments/framework/parallel.py)
-        from . import parallel
+    if "parallel" in cfg and here:  # parallel.cp > 1 only under torchrun or SLURM's tasks (framework/parallel.py);
+        from . import parallel       # a SLURM sweep's jobs are checked by the sweep (their tasks) and where they run
 
         parallel.check(cfg.parallel.cp, entry, dp=cfg.parallel.get("dp", 1))
     if "tuning" in cfg:

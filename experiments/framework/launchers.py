@@ -49,6 +49,14 @@ def runs_jobs_here(launcher) -> bool:
     return cls is None or not isinstance(launcher, cls)
 
 
+def tasks_per_job(launcher) -> int:
+    """The processes each job of the sweep runs on: a SLURM launcher's nodes x tasks_per_node (one job over
+    several ranks, experiments/framework/parallel.py), 1 for every other launcher."""
+    if runs_jobs_here(launcher):
+        return 1
+    return int(launcher.params.get("nodes", 1)) * int(launcher.params.get("tasks_per_node", 1))
+
+
 def left_no_result(e: Exception) -> bool:
     """submitit's error for a job that ended without a result (one SLURM ended)."""
     from submitit.core.utils import UncompletedJobError

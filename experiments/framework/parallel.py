@@ -2,7 +2,10 @@
 rule, the process group, the ranks.
 
 ``torchrun --nproc_per_node N -m experiments.<entry> parallel.cp=N ...`` starts N processes; each runs the
-entry point's job on its part of one sequence (:mod:`nsa.context_parallel`). Rank 0 opens, logs and ends
+entry point's job on its part of one sequence (:mod:`nsa.context_parallel`). SLURM starts them too: the tasks of
+one job step (``hydra/launcher=slurm hydra.launcher.nodes=M hydra.launcher.tasks_per_node=G``, each job of the
+sweep M x G tasks over M hosts, or ``srun``), whose torch.distributed variables come from SLURM's
+(:func:`from_slurm`). Rank 0 opens, logs and ends
 the job's one MLflow run; the other ranks run ``work`` only and never touch the store
 (:func:`experiments.framework.job.run_job`). The group is NCCL on CUDA (each rank on GPU ``LOCAL_RANK``),
 gloo on the CPU, initialized from torchrun's environment (``env://``).
@@ -29,10 +32,36 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"
 
 
 def torchrun_world() -> int | None:
-    """WORLD_SIZE where this process was started by torchrun (every variable it sets is there), else None."""
+    """WORLD_SIZE where this process is one rank of a launch: started by torchrun (every variable it sets is
+    there), or one task of a SLURM step of several (:func:`from_slurm` sets them); else None."""
+    from_slurm()
     if not all(k in os.environ for k in TORCHRUN_ENV):
         return None
     return int(os.environ["WORLD_SIZE"])
+
+
+def slurm_step_tasks() -> int:
+    """The task count of the SLURM job step this process is a task of (``srun``; submitit runs each job of
+    ``hydra/launcher=slurm`` as one), 0 outside a step. SLURM_NTASKS, as submitit's JobEnvironment reads it."""
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return 0
+    return int(os.environ.get("SLURM_NTASKS", "1"))
+
+
+def from_slurm() -> None:
+    """In one task of a SLURM step of several tasks, where torchrun did not set them: torch.distributed's env://
+    variables from SLURM's, by submitit (``TorchDistributedEnvironment``): RANK = SLURM_PROCID, WORLD_SIZE =
+    SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID, MASTER_ADDR the step's first host, MASTER_PORT from the job id (the
+    same on every task). CUDA_VISIBLE_DEVICES is kept: each rank takes GPU LOCAL_RANK of its host's list."""
+    if slurm_step_tasks() < 2 or all(k in os.environ for k in TORCHRUN_ENV):
+        return
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError as e:  # srun of several tasks without the cluster extra
+        raise ConfigError(f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}: the tasks of a SLURM step find each other "
+                          f"through submitit, of the cluster extra: pip install -e \".[cluster]\"") from e
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # submitit's jobs have it; a plain srun's tasks do not
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def distributed(cfg, entry: str) -> bool:
@@ -46,23 +75,42 @@ def distributed(cfg, entry: str) -> bool:
 
 
 def rank() -> int:
-    """This process's rank under torchrun (0 outside it)."""
+    """This process's rank under torchrun or SLURM's tasks (0 outside them)."""
     return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
 
 
-def check(cp, entry: str, sweep: bool = False, dp=1) -> None:
-    """``parallel.dp`` x ``parallel.cp`` against how this process was launched (module docstring: the rule)."""
+def check(cp, entry: str, sweep: bool = False, dp=1, tasks: int = 1) -> None:
+    """``parallel.dp`` x ``parallel.cp`` against how this process was launched (module docstring: the rule).
+    ``tasks``: for a sweep, the SLURM tasks each of its jobs runs on (``hydra/launcher=slurm``'s nodes x
+    tasks_per_node; 1 for every other launcher)."""
     world = torchrun_world()
     n = cp * dp if dp * cp != 1 else world
     keys = f"parallel.dp={dp} parallel.cp={cp}" if entry in TRAINS else f"parallel.cp={cp}"
-    split = f"parallel.dp=1 parallel.cp={n}" if entry in TRAINS else f"parallel.cp={n}"
+    if dp * cp != 1:
+        split = keys
+    else:
+        split = f"parallel.dp={n} parallel.cp=1" if entry in TRAINS else f"parallel.cp={n}"
     cmd = f"torchrun --nproc_per_node {n} -m experiments.{entry} {split} ..."
     train = entry in TRAINS
+    if sweep and tasks > 1:  # a SLURM sweep whose every job runs over `tasks` processes
+        slurm = f"hydra.launcher.nodes x hydra.launcher.tasks_per_node = {tasks}"
+        if entry not in ENTRIES:
+            raise ConfigError(f"{slurm}: experiments.{entry} runs in one process; only "
+                              f"{', '.join(f'experiments.{e}' for e in ENTRIES)} run one job over several SLURM tasks")
+        if dp != 1 and not train:
+            raise ConfigError(f"parallel.dp={dp}: experiments.{entry} has no data-parallel path; only "
+                              f"{', '.join(f'experiments.{e}' for e in TRAINS)} runs with parallel.dp > 1")
+        if dp * cp != tasks:
+            rule = "dp x cp" if train else "parallel.cp"
+            raise ConfigError(f"{keys}: {rule} = {dp * cp} must equal the SLURM tasks of each job, {slurm} "
+                              f"(one task per rank)")
+        return
     if sweep and (dp * cp != 1 or (world or 1) > 1):
         what = "over several processes" if train else "context parallel"
         raise ConfigError(f"{keys}: a sweep (-m) does not run {what} (its jobs run one after "
                           f"another in one process, and under torchrun every rank would run the whole sweep); "
-                          f"launch one job per torchrun: {cmd}")
+                          f"launch one job per torchrun ({cmd}), or sweep on SLURM with each job over its own "
+                          f"tasks (-m hydra/launcher=slurm hydra.launcher.tasks_per_node={n or 1} {split} ...)")
     if dp != 1 and not train:
         raise ConfigError(f"parallel.dp={dp}: experiments.{entry} has no data-parallel path; only "
                           f"{', '.join(f'experiments.{e}' for e in TRAINS)} runs with parallel.dp > 1")
@@ -70,8 +118,8 @@ def check(cp, entry: str, sweep: bool = False, dp=1) -> None:
         raise ConfigError(f"parallel.cp={cp}: experiments.{entry} has no context-parallel path; "
                           f"only {', '.join(f'experiments.{e}' for e in ENTRIES)} run with parallel.cp > 1")
     if entry not in ENTRIES and (world or 1) > 1:
-        raise ConfigError(f"parallel.cp={cp}: experiments.{entry} runs in one process, not under torchrun with "
-                          f"WORLD_SIZE={world} (every rank would run the whole job and log a run of its own)")
+        raise ConfigError(f"parallel.cp={cp}: experiments.{entry} runs in one process, not under torchrun or SLURM's "
+                          f"tasks with WORLD_SIZE={world} (every rank would run the whole job and log a run of its own)")
     if dp * cp != 1 and world is None:
         rule = ("parallel.dp x parallel.cp > 1 runs one process per rank under torchrun with WORLD_SIZE == dp x cp"
                 if train else "parallel.cp > 1 runs one process per rank under torchrun with WORLD_SIZE == parallel.cp")

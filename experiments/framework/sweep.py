@@ -106,6 +106,7 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
     ``launch`` was given one)."""
     loader, out, here = sweeper.hydra_context.config_loader, [], launchers.runs_jobs_here(sweeper.launcher)
     check = cli.launched_check(entry)  # the entry's own rules, as its launch() passed them
+    tasks = launchers.tasks_per_job(sweeper.launcher)
     if len(jobs) > 20:  # about 0.1-0.3 s a job: say what the wait is
         say(f"[{entry}] validating {len(jobs)} jobs' configs before any starts")
     for ov in jobs:
@@ -113,9 +114,9 @@ def _validate(sweeper, jobs: list[list[str]], entry: str) -> list[Job]:
             cfg = loader.load_sweep_config(sweeper.config, list(ov))
             cp = OmegaConf.select(cfg, "parallel.cp", default=1)
             dp = OmegaConf.select(cfg, "parallel.dp", default=1)
-            if (isinstance(cp, int) and cp > 1 or isinstance(dp, int) and dp > 1
+            if (isinstance(cp, int) and cp > 1 or isinstance(dp, int) and dp > 1 or tasks > 1
                     or parallel.torchrun_world() is not None and (entry in parallel.TRAINS or parallel.torchrun_world() > 1)):
-                parallel.check(cp, entry, sweep=True, dp=dp)  # a sweep runs no job over processes: one line, why
+                parallel.check(cp, entry, sweep=True, dp=dp, tasks=tasks)  # over processes: SLURM's tasks only
             if here:
                 check_timed_device(cfg, entry)
             out.append(prepare(cfg, entry, here=here, check=check))
