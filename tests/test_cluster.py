@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,6 +164,87 @@ def test_the_login_is_scoped_to_the_clusters_server(cluster, tmp_path):
     refused = subprocess.run([sys.executable, "-c", client, cluster["MLFLOW_TRACKING_URI"]], env=env,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "401" in refused.stderr, refused.stderr[-2000:]
+
+
+def _no_login_env() -> dict:
+    """This environment without MLflow's login variables (which the module's fixture sets) or store."""
+    return {k: v for k, v in entrypoints.env().items() if k not in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for f in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            out[int(f.parent.name)] = f.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # a process that ended meanwhile
+            pass
+    return out
+
+
+@pytest.mark.parametrize("launcher", [["hydra/launcher=local_gpus", "hydra.launcher.gpus=[0,1]"], ["hydra/launcher=slurm"]],
+                         ids=["local_gpus", "slurm"])
+def test_a_password_in_tracking_uri_leaves_ps_and_reaches_the_jobs(cluster, tmp_path, launcher):
+    """tracking.uri=http://admin:<password>@host (no other login anywhere): the process re-executes itself at once
+    with the password masked on its command line, none of the sweep's processes (local_gpus' workers, SLURM's
+    jobs) ever shows it in ps while the sweep runs, and both jobs reach the server with the login (before, the
+    password stayed in ps for the whole run, and every local_gpus worker got the masked URI and a 401)."""
+    user, password = credentials()
+    uri = cluster["MLFLOW_TRACKING_URI"].replace("://", f"://{user}:{password}@")
+    exp = f"pw-{uuid.uuid4().hex}"  # the server outlives this test's runs
+    p = subprocess.Popen([sys.executable, "-m", "experiments.decode", "hardware=cpu", "-m", "seq=64,72",
+                          "decode.per_branch=false", *launcher,
+                          f"tracking.uri={uri}", f"tracking.experiment={exp}", f"hydra.sweep.dir={tmp_path / 'out'}"],
+                         cwd=tmp_path, env=_no_login_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while password in _cmdlines().get(p.pid, ""):  # the interpreter's start, before its first import
+            assert time.monotonic() < deadline and p.poll() is None, "the password stayed on the command line"
+            time.sleep(0.01)
+        seen = set()
+        while p.poll() is None:
+            now = _cmdlines()
+            seen |= {pid for pid, c in now.items() if any(w in c for w in ("experiments.decode", "multiprocessing", "submitit"))}
+            assert not [pid for pid, c in now.items() if password in c]
+            time.sleep(0.05)
+        out = p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    assert p.returncode == 0, out[-3000:]
+    assert len(seen) >= 3, seen  # the sweep and its jobs' processes were watched
+    assert password not in out and f"{user}:***@" in out
+    from mlflow import MlflowClient
+
+    c = MlflowClient(tracking_uri=cluster["MLFLOW_TRACKING_URI"])  # the fixture's login
+    rs = c.search_runs([c.get_experiment_by_name(exp).experiment_id])
+    jobs = [r for r in rs if r.data.tags.get("sweep") != "parent"]
+    assert len(jobs) == 2 and all(r.info.status == "FINISHED" for r in rs), [(r.info.status, r.data.tags) for r in rs]
+
+
+def test_close_stale_logs_in_as_tracking_server_does(cluster, tmp_path):
+    """`experiments.close_stale <id> --tracking-uri <server>` reads the login where tracking=server reads it (the
+    launch directory's .cluster/mlflow/credentials, or --credentials), and ends a run whose process is gone;
+    without a login it is one line and exit 2 (before, it ignored the file and every call got a 401)."""
+    from mlflow import MlflowClient
+
+    srv = cluster["MLFLOW_TRACKING_URI"]
+    c = MlflowClient(tracking_uri=srv)
+    eid = c.create_experiment(f"stale-{uuid.uuid4().hex}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tags = {"host": os.uname().nodename, "pid": str(dead.pid), "process": f"{dead.pid}:a start that is gone"}
+    rids = [c.create_run(eid, tags=tags).info.run_id for _ in range(2)]
+    cmd = [sys.executable, "-m", "experiments.close_stale"]
+    bare = subprocess.run([*cmd, rids[0], "--tracking-uri", srv], cwd=tmp_path, env=_no_login_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and len(bare.stderr.strip().splitlines()) == 1, bare.stderr
+    for rid, where, extra in [(rids[0], ROOT, []), (rids[1], tmp_path, ["--credentials", str(CREDENTIALS)])]:
+        r = subprocess.run([*cmd, rid, "--tracking-uri", srv, *extra], cwd=where, env=_no_login_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"run {rid}: " in r.stdout + r.stderr
+        assert c.get_run(rid).info.status == "KILLED"
 
 
 LOGGED = ("mariadb", "psql", "runuser", "curl")  # what cluster.sh gives SQL or a login

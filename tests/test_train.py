@@ -275,7 +275,8 @@ def test_earlier_run_rules(tmp_path):
     foreign = tracking.start_run(other, "another experiment", None)
     for rid, parent, msg in [(ended["FINISHED"], None, "which is FINISHED"),
                              (live, None, f"which is RUNNING in process {os.getpid()}"),
-                             (away, None, f"close_stale {away} --force"),
+                             # the store named: this process's cwd is not tmp_path, where the command's default is
+                             (away, None, f"close_stale {away} --tracking-uri sqlite:///{tmp_path / 'mlflow.db'} --force"),
                              (job, None, f"a job of sweep {sweep} (resume it: hydra.sweeper.resume={sweep})"),
                              (ended["FAILED"], sweep, "a single run, not a job of this sweep"),
                              (foreign, None, "which is not in experiment nsa-train"),

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nsa import env
 
+from .. import env as launch_env
 from .config import CONF_DIR, groups
 from .logs import say
 
@@ -298,17 +299,16 @@ _MISSING = object()
 def mask_passwords(argv: list[str]) -> list[str]:
     """``tracking.uri=http://user:PW@host`` as ``tracking.uri=http://user:***@host``: Hydra, and so the run's
     params, config.yaml, logs and ``.hydra/`` files, never see the password; this process keeps the URI
-    itself for its client (``tracking.masked``)."""
+    itself for its client (``tracking.masked``). The command line itself lost it at the interpreter's start
+    (``experiments.env.reexec_without_passwords``)."""
     from . import tracking
 
     out = []
     for a in argv:
-        key, eq, value = a.partition("=")
-        if eq and _is_override(a) and key.lstrip("+~") == "tracking.uri":
-            quoted = len(value) > 1 and value[0] == value[-1] and value[0] in "'\""
-            inner = tracking.masked(value[1:-1] if quoted else value)
-            a = f"{key}={value[0] + inner + value[0] if quoted else inner}"
-        out.append(a)
+        logins: dict[str, str] = {}
+        out.append(launch_env.mask_override(a, logins) if _is_override(a) else a)
+        for uri in logins.values():
+            tracking.masked(uri)
     return out
 
 

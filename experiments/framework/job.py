@@ -441,7 +441,7 @@ def _earlier_run(store, rid: str | None, parent: str | None, out_dir: Path):
             raise ConfigError(f"{what}, which is RUNNING in {where}; stop that process first")
         if gone is None:
             raise ConfigError(f"{what}, which is RUNNING in {where}, which this host cannot check; if it is gone: "
-                              f"python -m experiments.close_stale {rid} --force")
+                              + tracking.close_stale_command(store.uri, rid))
     return run
 
 

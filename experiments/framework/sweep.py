@@ -360,7 +360,7 @@ def _resume(store, rid: str, jobs: list[list[str]]) -> tuple[str, list[list[str]
     if run.info.status == "RUNNING" and not tracking.stale(run):
         where = f"process {run.data.tags.get('pid', '?')} on {run.data.tags.get('host', '?')}"
         cli.config_exit(f"hydra.sweeper.resume={rid}: the sweep is still RUNNING ({where}); stop it, or close it "
-                        f"with: python -m experiments.close_stale {rid} --force")
+                        f"with: {tracking.close_stale_command(store.uri, rid)}")
     for r, what in tracking.close_stale(store.client, rid):
         say(f"[resume] run {r}: {what}")
     done = {frozenset(json.loads(r.data.tags.get("sweep_job", "[]")))

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import subprocess
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from omegaconf import DictConfig
 import nsa
 from nsa import env
 from nsa.toolchain import check_toolchain
+
+from .. import env as launch_env
 
 from . import launchers
 from .config import REPO, ConfigError, one_line, out_of_space
@@ -80,27 +83,27 @@ class Store:
         return f"mlflow ui --backend-store-uri {self.uri}  # then open http://127.0.0.1:5000/{page}"
 
 
-MASK = "***"
-_SECRETS: dict[str, str] = {}  # a URI with its password masked -> the URI itself (this process's memory only)
+MASK = launch_env.MASK
+# A URI as printed (its password masked) -> the URI itself: this process's memory, and the environment of the
+# processes it starts (experiments/env.py: NSA_TRACKING_LOGINS, readable by this user only).
+_SECRETS: dict[str, str] = launch_env.tracking_logins()
+
+
+def _remember(printed: str, uri: str) -> None:
+    _SECRETS[printed] = uri
+    launch_env.export_tracking_logins({printed: uri})
+    _hide_in_logs()
+    env.suppress_mlflow_run_urls()
 
 
 def masked(uri: str) -> str:
     """``uri`` with the password of its user info (``http://user:PW@host``) written ``***``: what the project
     prints, logs and records (Hydra's files, params, config.yaml, logs, stdout). The URI itself is kept in
-    this process's memory, for :func:`open_client` only; a URI without a password is returned as it is."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    try:
-        parts = urlsplit(uri)
-        password = parts.password
-    except ValueError:
-        return uri
-    if not password or password == MASK:
-        return uri
-    safe = urlunsplit(parts._replace(netloc=f"{parts.username}:{MASK}@{parts.netloc.rsplit('@', 1)[1]}"))
-    _SECRETS[safe] = uri
-    _hide_in_logs()
-    env.suppress_mlflow_run_urls()
+    this process's memory and environment, for :func:`open_client` only; a URI without a password is returned
+    as it is."""
+    safe, password = launch_env.mask_uri(uri)
+    if password is not None:
+        _remember(safe, uri)
     return safe
 
 
@@ -171,9 +174,7 @@ def scoped_login(uri: str, credentials: str | None, launch_dir: Path) -> str:
     if _server(owner) != _server(uri):
         return uri
     p = urlsplit(uri)
-    _SECRETS[uri] = urlunsplit(p._replace(netloc=f"{quote(user, safe='')}:{quote(pw, safe='')}@{p.netloc}"))
-    _hide_in_logs()
-    env.suppress_mlflow_run_urls()
+    _remember(uri, urlunsplit(p._replace(netloc=f"{quote(user, safe='')}:{quote(pw, safe='')}@{p.netloc}")))
     return uri
 
 
@@ -188,6 +189,20 @@ def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
     if t.get("name") == "server":
         raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
     return f"{SQLITE}{launch_dir / 'mlflow.db'}", "default: mlflow.db in the launch directory"
+
+
+def close_stale_command(uri: str, rid: str) -> str:
+    """The ``experiments.close_stale`` line for run ``rid`` of store ``uri`` (as printed), ``--force``: the store
+    named where it is not the command's default (this directory's mlflow.db), a login left to its credentials
+    file (``--credentials``, as tracking=server) and never written into the line."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    where = ""
+    if uri != f"{SQLITE}{Path.cwd() / 'mlflow.db'}" or env.mlflow_tracking_uri():
+        p = urlsplit(uri)
+        bare = urlunsplit(p._replace(netloc=p.netloc.rsplit("@", 1)[-1])) if p.scheme.startswith("http") else uri
+        where = f" --tracking-uri {shlex.quote(bare)}"
+    return f"python -m experiments.close_stale {rid}{where} --force"
 
 
 def _cause(e: BaseException) -> str:
@@ -260,6 +275,9 @@ def open_client(uri: str):
             db_log.addFilter(_StoreErrorsOnce())
 
         env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
+        if uri in _SECRETS:  # a login inherited (NSA_TRACKING_LOGINS): hidden here too
+            _hide_in_logs()
+            env.suppress_mlflow_run_urls()
         try:
             with _store_lock(uri), env.mlflow_http_probe(PROBE_TIMEOUT_S):
                 client = MlflowClient(tracking_uri=_SECRETS.get(uri, uri))  # the URI itself, password and all
