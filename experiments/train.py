@@ -38,11 +38,11 @@ from omegaconf import DictConfig
 
 from nsa.numerics import DTYPES
 
-from .framework import Charts, ConfigError, Job, Result, launch, run_job
+from .framework import Charts, ConfigError, Job, Result, check_memory, launch, run_job
 from .framework.cli import override
 from .framework.config import one_line
 from .framework import parallel
-from .lm import checkpoint, distributed, selections
+from .lm import checkpoint, cost, distributed, selections
 from .lm.config import RunConfig
 from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
@@ -70,6 +70,18 @@ def run_config(job: Job) -> RunConfig:
             raise ValueError(f"train.recipe.sel_loss={cfg.train.recipe.sel_loss:g}: lm=hf does not take the selection loss "
                              "(it reads each block of experiments.lm.model.LM); 0 trains without it")
     return cfg
+
+
+def check_fits(job: Job) -> dict[str, float]:
+    """The training's memory at least (``cost.memory_lower_bound``) against limits.max_memory_gib, or what the
+    device has free: a ResourceLimit in one line, with its parts, where it cannot fit (``run_job`` calls this
+    before a single run exists; ``work`` again first, where a sweep's job fails alone)."""
+    cfg = run_config(job)
+    parts = cost.memory_lower_bound(cfg, parameter_counts(cfg)["total"])
+    _, task, batch = max(cfg.stages(), key=lambda s: s[2] * s[1].seq_len)
+    check_memory(job, sum(parts.values()), f"train.batch={batch} x {task.seq_len} tokens, at least: "
+                 + ", ".join(f"{k} {v / 2**30:.3g}" for k, v in parts.items()) + " GiB")
+    return parts
 
 
 def earlier_run(job: Job) -> str | None:
@@ -136,6 +148,7 @@ def save_selections(job: Job, cfg: RunConfig, model) -> None:
 def work(job: Job) -> Result:
     """The job's training. Under torchrun every rank runs it (:mod:`experiments.lm.distributed`): rank 0 holds the
     run (``job.run``) and the others none; they share rank 0's checkpoint folder, run id and logged step."""
+    check_fits(job)
     cfg = run_config(job)
     tc, run, ckpt = cfg.train, job.run, job.out_dir / "ckpt"
     world = None
@@ -198,7 +211,7 @@ def work(job: Job) -> Result:
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_job(cfg, "train", work, resume=earlier_run, check=run_config)
+    run_job(cfg, "train", work, resume=earlier_run, fits=check_fits, check=run_config)
 
 
 if __name__ == "__main__":

@@ -321,3 +321,22 @@ def test_a_signal_python_drops_still_stops_training_killed(tmp_path):
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     steps = [m.step for m in c.get_metric_history(run.info.run_id, "loss")]
     assert steps and max(steps) == 3, steps  # step 3 ran to its end, step 4 never started
+
+
+def test_a_training_that_cannot_fit_is_refused_before_a_run_exists(tmp_path):
+    """train.batch=1e8 (about 2e5 GiB at least): one line naming the batch and the lower bound's parts, exit 2, no
+    store, no output folder (before: a run was made and the process died a minute later); in a sweep that job
+    fails alone with the same reason and the other trains."""
+    rc, out, err = wait(start(tmp_path, "train", "train=smoke", "train.batch=100000000", name="big"))
+    assert rc == 2, err[-2000:]
+    (line,) = one_line(err)
+    assert line.startswith("config error: seq=256: estimated ") and "GiB of tensors exceeds" in line, line
+    assert "(train.batch=100000000 x 256 tokens, at least: states " in line and " activations " in line, line
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out" / "big").exists()
+    rc, out, err = wait(start(tmp_path, "train", "train=smoke", "train.steps=2", "train.eval_every=2", "train.ckpt_every=2",
+                              "-m", "train.batch=8,100000000", name="sweep"))
+    assert rc == 1, err[-2000:]
+    _, rs = entrypoints.runs(tmp_path / "mlflow.db", "train")
+    jobs = {r.data.params["train.batch"]: r for r in rs if r.data.tags.get("sweep") != "parent"}
+    assert jobs["8"].info.status == "FINISHED" and jobs["100000000"].info.status == "FAILED"
+    assert "GiB of tensors exceeds" in jobs["100000000"].data.tags["error"]

@@ -11,6 +11,7 @@ the sweeper (``hydra.sweeper.show``).
 """
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import signal
@@ -31,6 +32,7 @@ from .config import CONF_DIR, groups
 from .logs import say
 
 MULTIRUN = ("-m", "--multirun")
+MAX_JOBS = 10_000  # the jobs of one sweep: each is composed and validated before any starts (0.1-0.3 s a job)
 SHOW_ONLY = ("-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion")
 NO_RUN = (*SHOW_ONLY, "-c", "--cfg")  # flags that print instead of running: no output folder is made
 OTHER_CONFIG = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
@@ -180,8 +182,12 @@ def precheck(argv: list[str], entry: str) -> None:
         except HydraException as e:
             config_exit(f"{arg}: {hydra_message(e)}")
         key = ov.get_key_element().lstrip("+~")
-        vals = list(ov.sweep_string_iterator()) if ov.is_sweep_override() and ov.is_discrete_sweep() else \
-            [ov.get_value_element_as_str()]
+        if not ov.is_sweep_override():
+            vals = [ov.get_value_element_as_str()]
+        elif not ov.is_discrete_sweep() or key not in known and key != "hydra/launcher":
+            vals = []  # the sweeper reports a sweep it cannot run and bounds the lists (sweep.expand)
+        else:
+            vals = list(itertools.islice(ov.sweep_string_iterator(), MAX_JOBS + 1))
         if key in known:
             for v in vals:
                 if v not in known[key]:

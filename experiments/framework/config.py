@@ -8,6 +8,7 @@ ConfigErrors: anything else raised here is a bug and keeps its traceback.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 from collections.abc import Callable
@@ -95,20 +96,24 @@ PEERS = ("fla",)  # public NSA kernels with a row in decode (experiments/peers.p
 PREFILL_PEERS = ("fla", "flash_nsa")  # and in prefill
 _INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
 _POSITIVE_OR_NULL = "a number > 0, or null (what the device has free)"
+# Timing repeats and times: bounded, so that no value typed makes a job run for days.
+MAX_REPEATS, MAX_MS = 10_000, 60_000
+_REPEATS0, _REPEATS1 = f"an integer from 0 to {MAX_REPEATS}", f"an integer from 1 to {MAX_REPEATS}"
+_MS = f"a number > 0 and at most {MAX_MS} (ms)"
 _PEERS = f"a list of peer names from: {', '.join(PEERS)}"
 _PREFILL_PEERS = f"a list of peer names from: {', '.join(PREFILL_PEERS)}"
 _PEER_NAMES = {_PEERS: PEERS, _PREFILL_PEERS: PREFILL_PEERS}  # rule -> the names it allows
 RULES = {
     "seq": _INT1, "seed": _INT0, "streams": _BOOL, "limits.max_memory_gib": _POSITIVE_OR_NULL, "parallel.cp": _INT1,
     "parallel.dp": _INT1,
-    "decode.batch": _INT1, "decode.warmup": _INT0, "decode.repeats": _INT1, "decode.fill_tokens": _INT1,
-    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _INT1,
+    "decode.batch": _INT1, "decode.warmup": _REPEATS0, "decode.repeats": _REPEATS1, "decode.fill_tokens": _INT1,
+    "decode.per_branch": _BOOL, "decode.cuda_graph": _BOOL, "decode.ragged": _BOOL, "decode.graph_reps": _REPEATS1,
     "decode.peers": _PEERS,
     "prefill.peers": _PREFILL_PEERS,
-    "prefill.batch": _INT1, "prefill.warmup": _INT0, "prefill.repeats": _INT1, "prefill.per_branch": _BOOL,
+    "prefill.batch": _INT1, "prefill.warmup": _REPEATS0, "prefill.repeats": _REPEATS1, "prefill.per_branch": _BOOL,
     "prefill.backward": _BOOL, "prefill.dense_flash": _BOOL, "prefill.profile": _BOOL,
     "parity.batch": _INT1, "parity.max_tie_rows": _INT0,
-    "kernels.batch": _INT1, "kernels.warmup_ms": _POSITIVE, "kernels.rep_ms": _POSITIVE, "kernels.cpu_repeats": _INT1,
+    "kernels.batch": _INT1, "kernels.warmup_ms": _MS, "kernels.rep_ms": _MS, "kernels.cpu_repeats": _REPEATS1,
     "kernels.check_seq": _INT1, "kernels.backward": _BOOL, "kernels.once": _BOOL, "kernels.peers": _BOOL,
 }
 TOLERANCES = ("max_abs", "rel_l2", "index_mismatch", "near_tie_rel")  # parity.tol.<dtype>.<name>: numbers >= 0
@@ -125,8 +130,10 @@ def valid(v, rule: str) -> bool:
         return isinstance(v, ListConfig) and all(x in _PEER_NAMES[rule] for x in v)
     if rule == _POSITIVE_OR_NULL and v is None:
         return True
-    if rule in (_POSITIVE, _POSITIVE_OR_NULL):
-        return (_is_int(v) or isinstance(v, float)) and v > 0
+    if rule in (_POSITIVE, _POSITIVE_OR_NULL, _MS):
+        return (_is_int(v) or isinstance(v, float)) and 0 < v <= (MAX_MS if rule == _MS else math.inf)
+    if rule in (_REPEATS0, _REPEATS1):
+        return _is_int(v) and (1 if rule == _REPEATS1 else 0) <= v <= MAX_REPEATS
     return _is_int(v) and v >= (1 if rule == _INT1 else 0)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import re
 import shlex
 import sys
@@ -44,18 +45,29 @@ _SAFE = re.compile(r"[\w./:@%+-]+")
 CANCEL_WAIT_S = 60  # an interrupted sweep waits this long for the SLURM jobs it cancelled to end
 
 
+MAX_JOBS = cli.MAX_JOBS
+
+
 def expand(parser, params: dict, arguments: list[str]) -> list[list[str]]:
     """The cartesian product of the sweep's values (``hydra.sweeper.params``, then the command
-    line; a key given twice takes the later values), one override list per job."""
+    line; a key given twice takes the later values), one override list per job; more than
+    :data:`MAX_JOBS` is a ConfigError, found before any list or product is built whole."""
     lists: dict[str, list[str]] = {}
     for o in parser.parse_overrides([f"{k}={v}" for k, v in (params or {}).items()] + list(arguments)):
         key = o.get_key_element()
         if o.is_sweep_override():
             if not o.is_discrete_sweep():
                 raise ConfigError(f"{o.input_line}: only lists of values sweep (a,b,c, range(), choice(), glob())")
-            lists[key] = [f"{key}={v}" for v in o.sweep_string_iterator()]
+            values = list(itertools.islice(o.sweep_string_iterator(), MAX_JOBS + 1))
+            if len(values) > MAX_JOBS:
+                raise ConfigError(f"{o.input_line}: more than {MAX_JOBS} values; a sweep runs at most {MAX_JOBS} jobs")
+            lists[key] = [f"{key}={v}" for v in values]
         else:
             lists[key] = [f"{key}={o.get_value_element_as_str()}"]
+    n = math.prod(len(v) for v in lists.values())
+    if n > MAX_JOBS:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in lists.items() if len(v) > 1)
+        raise ConfigError(f"{sizes} = {n} jobs; a sweep runs at most {MAX_JOBS} jobs (sweep fewer values, or split it)")
     return [list(x) for x in itertools.product(*lists.values())]
 
 

@@ -41,3 +41,24 @@ def step_flops(model: LM, T: int, B: int) -> dict[str, float]:
             matmul += 6.0 * rows * m.weight.numel()
     attention = 3.5 * 2 * (c.d_k + c.d_v) * c.n_heads * B * attended_keys(model.attention, c, T) * model.cfg.n_layers
     return {"matmul": matmul, "attention": attention, "total": matmul + attention}
+
+
+def memory_lower_bound(cfg, n_params: int) -> dict[str, float]:
+    """Bytes one rank holds at once in the training's largest stage, at least (``cfg``: a RunConfig): what no
+    step can do without, so that a size far past the device is refused before a run exists, never one that fits.
+
+    * ``states``: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter, sharded over dp (FSDP2);
+    * ``logits``: each micro-batch's logits in float32 for the loss and their gradient, 8 bytes a token and
+      vocabulary entry;
+    * ``activations``: what backward needs of each layer, at least the block's input, q, the attention's output
+      and o_proj's (4 x dim) and the MLP's hidden pre- and post-activation (2 x mlp_hidden), a token each, in
+      the training dtype.
+    A micro-batch is ``batch / (dp x grad_accum)`` rows of ``seq_len / cp`` tokens."""
+    elem = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    per_token = cfg.lm.n_layers * (4 * cfg.lm.dim + 2 * cfg.lm.mlp_hidden) * elem
+    stages = []
+    for _, task, batch in cfg.stages():
+        tokens = max(1, batch // (cfg.dp * cfg.train.grad_accum)) * max(1, task.seq_len // cfg.cp)
+        stages.append({"states": 16.0 * n_params / cfg.dp, "logits": 8.0 * tokens * task.vocab_size,
+                       "activations": float(tokens * per_token)})
+    return max(stages, key=lambda parts: sum(parts.values()))
