@@ -70,7 +70,7 @@ ONE_LINE = {
     "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),
     # decode.batch is ${model.batch}: the error names the key typed (issue 46)
     "interpolated_key": ("decode", ["hardware=cpu", "seq=64", "model.batch=-1"], ["config error: model.batch=-1: must be"]),
-    # a sweep's size is bounded before any list or product is built (1e9 values: 5.4 GB, then a MemoryError)
+    # a sweep's size is bounded before any list or product is built
     "sweep_too_long": ("decode", ["hardware=cpu", "-m", "seq=range(1,1000000000)"],
                        ["seq=range(1,1000000000): more than 10000 values; a sweep runs at most 10000 jobs"]),
     "sweep_product_too_large": ("decode", ["hardware=cpu", "-m", "seq=range(64,264)", "seed=range(0,100)"],

@@ -186,8 +186,7 @@ def _cmdlines() -> dict[int, str]:
 def test_a_password_in_tracking_uri_leaves_ps_and_reaches_the_jobs(cluster, tmp_path, launcher):
     """tracking.uri=http://admin:<password>@host (no other login anywhere): the process re-executes itself at once
     with the password masked on its command line, none of the sweep's processes (local_gpus' workers, SLURM's
-    jobs) ever shows it in ps while the sweep runs, and both jobs reach the server with the login (before, the
-    password stayed in ps for the whole run, and every local_gpus worker got the masked URI and a 401)."""
+    jobs) ever shows it in ps while the sweep runs, and both jobs reach the server with the login."""
     user, password = credentials()
     uri = cluster["MLFLOW_TRACKING_URI"].replace("://", f"://{user}:{password}@")
     exp = f"pw-{uuid.uuid4().hex}"  # the server outlives this test's runs
@@ -225,7 +224,7 @@ def test_a_password_in_tracking_uri_leaves_ps_and_reaches_the_jobs(cluster, tmp_
 def test_close_stale_logs_in_as_tracking_server_does(cluster, tmp_path):
     """`experiments.close_stale <id> --tracking-uri <server>` reads the login where tracking=server reads it (the
     launch directory's .cluster/mlflow/credentials, or --credentials), and ends a run whose process is gone;
-    without a login it is one line and exit 2 (before, it ignored the file and every call got a 401)."""
+    without a login it is one line and exit 2."""
     from mlflow import MlflowClient
 
     srv = cluster["MLFLOW_TRACKING_URI"]

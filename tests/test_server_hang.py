@@ -2,8 +2,7 @@
 the real CLI: a training gives up within the stated bound (experiments/framework/tracking.py, about 40 s for the
 request that hangs, then one try of 5 s for each request on the way out) and fails in one line; SIGTERM ends the
 process within seconds, exit code 143, saying the run was left RUNNING (the store did not take its end) and not
-that it ended; once the server answers again, `experiments.close_stale` ends it KILLED. Before: about 9 minutes
-either way (MLflow's retries of 30 s, for every request), rc 1 after SIGTERM, the run left RUNNING."""
+that it ended; once the server answers again, `experiments.close_stale` ends it KILLED."""
 from __future__ import annotations
 
 import os

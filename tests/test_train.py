@@ -325,8 +325,7 @@ def test_a_signal_python_drops_still_stops_training_killed(tmp_path):
 
 def test_a_training_that_cannot_fit_is_refused_before_a_run_exists(tmp_path):
     """train.batch=1e8 (about 2e5 GiB at least): one line naming the batch and the lower bound's parts, exit 2, no
-    store, no output folder (before: a run was made and the process died a minute later); in a sweep that job
-    fails alone with the same reason and the other trains."""
+    store, no output folder; in a sweep that job fails alone with the same reason and the other trains."""
     rc, out, err = wait(start(tmp_path, "train", "train=smoke", "train.batch=100000000", name="big"))
     assert rc == 2, err[-2000:]
     (line,) = one_line(err)
