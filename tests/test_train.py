@@ -158,6 +158,8 @@ def test_smoke_run_learns_and_logs_every_step(runs):
     counts = {k.split(".", 1)[1]: int(v) for k, v in params.items() if k.startswith("n_params.")}
     assert counts["total"] == sum(v for k, v in counts.items() if k != "total") and counts["attn_extra"] > 0
     assert params["attention"] == "nsa" and params["lm"] == "smoke" and params["seq"] == "256" and "model" not in params
+    # the run's name tells a preset, a model and an attention from another
+    assert r.info.run_name == "train cpu reference train=smoke lm=smoke attention=nsa seq=256", r.info.run_name
     (out_dir,) = (tmp / "outputs" / "train").iterdir()
     assert {"train.csv", "train.log", "ckpt"} <= {p.name for p in out_dir.iterdir()}
     assert checkpoint.peek(out_dir / "ckpt") == {"run_id": r.info.run_id, "step": STEPS}
@@ -170,6 +172,7 @@ def test_smoke_sweep_parent_shows_both_curves(runs):
     (parent,) = [r for r in rs if "mlflow.parentRunId" not in r.data.tags]
     kids = {r.data.params["attention"]: r for r in rs if "mlflow.parentRunId" in r.data.tags}
     assert set(kids) == {"nsa", "dense"} and all(r.info.status == "FINISHED" for r in rs)
+    assert parent.info.run_name == "train sweep cpu reference train=smoke lm=smoke attention=nsa,dense", parent.info.run_name
     for kind, r in kids.items():
         for key in ("loss", "accuracy", "val_loss", "val_accuracy", "tokens_per_s"):
             assert _curve(c, parent.info.run_id, f"{key}/{kind}") == _curve(c, r.info.run_id, key), (kind, key)

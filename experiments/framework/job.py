@@ -164,11 +164,15 @@ def remove_empty_output_dir(hc) -> None:
 
 def identity(job: Job) -> list[tuple[str, str | None]]:
     """What tells a run apart beside its length, for its name: the operation (experiments.kernels), the
-    hardware profile, the model, the backend plan (one name, or cmp/sel/win)."""
+    hardware profile, the model, the backend plan (one name, or cmp/sel/win); for a training its preset, model
+    and attention (the config groups chosen: ``train``, ``lm``, ``attention``)."""
     plan = job.plan
     backend = plan["cmp"] if len(set(plan.values())) == 1 else "/".join(plan[b] for b in ("cmp", "sel", "win"))
-    return [("op", OmegaConf.select(job.cfg, "op.name", default=None)), ("hardware", job.profile.name),
-            ("model", OmegaConf.select(job.cfg, "model.name", default=None)), ("backend", backend)]
+    out = [("op", OmegaConf.select(job.cfg, "op.name", default=None)), ("hardware", job.profile.name),
+           ("model", OmegaConf.select(job.cfg, "model.name", default=None)), ("backend", backend)]
+    if job.entry == "train":
+        out += [(g, f"{g}={job.choices[g]}" if job.choices.get(g) else None) for g in ("train", "lm", "attention")]
+    return out
 
 
 def describe(job: Job, choices: dict) -> tuple[dict, dict]:
