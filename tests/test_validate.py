@@ -64,6 +64,7 @@ def test_every_check_passes_on_the_cpu(cli):
     assert sorted(kids) == sorted(CHECKS) and len(rs) == 8
     assert parent.info.status == "FINISHED" and parent.data.tags["headline"] == "PASS"
     assert all(r.info.status == "FINISHED" and r.data.tags["verdict"] == PASS for r in kids.values())
+    assert parent.info.run_name == "validate cpu PASS" and kids["env"].info.run_name == "validate env PASS"
     run_dir = _run_dir(tmp)
     md, html = (run_dir / "report.md").read_text(), (run_dir / "report.html").read_text()
     assert md.startswith("# NSA validation: PASS\n") and "<h1 class=\"pass\">NSA validation: PASS</h1>" in html
@@ -116,6 +117,7 @@ def test_an_injected_fault_fails_naming_the_check_and_the_branch(cli):
     assert parent.info.status == "FAILED" and parent.data.tags["inject_fault"] == "sel"
     assert sorted(kids) == ["env", "kernels"]  # the checks left out get no run
     assert kids["kernels"].info.status == "FAILED" and kids["kernels"].data.tags["verdict"] == FAIL
+    assert parent.info.run_name == "validate cpu FAIL" and kids["kernels"].info.run_name == "validate kernels FAIL"
     assert "sel: " in kids["kernels"].data.tags["error"]
     md = (_run_dir(tmp) / "report.md").read_text()
     assert md.startswith("# NSA validation: FAIL\n") and "FAULT INJECTED (validate.inject_fault=sel)" in md

@@ -87,7 +87,8 @@ def _run_check(store, parent: str, ctx: Context, name: str) -> Check:
     try:
         ran = ",".join(f"{b}={n}" for b, n in sorted(rec.ran.items())) if rec else "unknown"
         tracking.log_batch(store.client, rid, metrics={**res.metrics, "check_seconds": res.seconds},
-                           tags={"verdict": res.verdict, "figures": res.figures, "notes": "; ".join(res.notes) or "none",
+                           tags={"mlflow.runName": f"validate {name} {res.verdict}",  # PASS and FAIL told apart
+                                 "verdict": res.verdict, "figures": res.figures, "notes": "; ".join(res.notes) or "none",
                                  "not_passed": "; ".join(res.not_passed) or "none", "backends_ran": ran})
         if res.rows:
             path = ctx.path("checks") / f"{name}.csv"
@@ -143,7 +144,8 @@ def run(cfg: DictConfig) -> None:
     try:
         tracking.log_batch(store.client, parent, metrics={"checks_passed": float(sum(r.verdict == PASS for r in results)),
                                                           "checks": float(len(results)), "validate_wall_s": wall},
-                           tags={"headline": word, "summary": line})
+                           tags={"mlflow.runName": f"validate {job.profile.name} {word}", "headline": word,
+                                 "summary": line})
         for f in [md, html, *(f for r in results for f in r.files if f.suffix in (".png", ".yaml"))]:
             store.client.log_artifact(parent, str(f))
     finally:
