@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from hydra_plugins.nsa_local_gpus.local_gpus import gpu_ids
 
 QUICK = ["decode.per_branch=false", "model.timing.repeats=3", "decode.peers=[]"]
-LONG = ["decode.per_branch=false", "model.timing.repeats=100000", "decode.peers=[]"]
+LONG = ["decode.per_branch=false", "model.timing.warmup=10000", "model.timing.repeats=10000", "decode.peers=[]"]
 
 
 def test_gpu_ids():
@@ -135,6 +135,8 @@ def test_sigterm_ends_every_run_killed_and_every_worker(tmp_path):
         if sum(r.info.status == "RUNNING" and bool(r.data.params) and "mlflow.parentRunId" in r.data.tags
                for r in runs) == 2:
             break
+        if p.poll() is not None:
+            pytest.fail(f"the sweep ended before two jobs ran at once: {wait(p)[2][-2000:]}")
         time.sleep(0.3)
     else:
         p.kill()

@@ -17,13 +17,14 @@ def test_a_refused_connection_is_reported_as_one(tmp_path):
     p = None
     try:
         until(lambda: server_up(port), 120, "the MLflow server answered")
-        p = start(tmp_path, "decode", "seq=256", "decode.repeats=1000000", f"tracking.uri=http://127.0.0.1:{port}",
+        p = start(tmp_path, "decode", "seq=256", "decode.warmup=10000", "decode.repeats=10000", f"tracking.uri=http://127.0.0.1:{port}",
                   store=False, extra_env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(p.stderr), daemon=True)
         reader.start()
         # the process has its run (the server answered runs/create) and works: it logged its backends
-        until(lambda: any("backends {" in ln for ln in lines), 180, "the decode run was working")
+        until(lambda: any("backends {" in ln for ln in lines) or p.poll() is not None, 180, "the decode run was working")
+        assert p.poll() is None, "".join(lines)[-2000:]  # still working, not ended by its config or its store
     finally:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()

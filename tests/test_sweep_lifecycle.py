@@ -16,7 +16,8 @@ import pytest
 from entrypoints import REPO, one_line, start, wait
 from mlflow import MlflowClient
 
-LONG = ["-m", "seq=64,128", "model.timing.repeats=100000", "decode.per_branch=false"]  # killed in its first job
+# killed in its first job (the longest timing the config allows: minutes on a CPU)
+LONG = ["-m", "seq=64,128", "model.timing.warmup=10000", "model.timing.repeats=10000", "decode.per_branch=false"]
 # Job 0 is quick, job 1 long: killed in job 1, a resumed sweep runs job 1 alone.
 RESUMABLE = ["-m", "seq=64", "model.timing.repeats=1,3000", "decode.per_branch=false"]
 
@@ -67,7 +68,10 @@ def killed(tmp_path_factory):
             if k not in ids and (got := _running(tmp, finished=1 if k == "sigkill_resume" else 0)):
                 p.send_signal(cases[k][0])
                 ids[k] = got
+            elif k not in ids and p.poll() is not None:
+                pytest.fail(f"the {k} sweep ended before its job ran: {wait(p)[2][-2000:]}")
         time.sleep(0.2)
+    assert len(ids) == len(procs), f"sweeps with no job running after 300 s: {sorted(set(procs) - set(ids))}"
     return {k: (tmp, *ids[k], *wait(p)) for k, (tmp, p) in procs.items()}
 
 
