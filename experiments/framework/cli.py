@@ -346,11 +346,14 @@ def launch(main: Callable[[], Any], entry: str, check: Callable[[Any], Any] | No
         main()
         raise_if_interrupted()  # dropped where no job passed a check since (e.g. the sweep's summary)
     except KeyboardInterrupt as e:
-        from .tracking import close_open
+        from .tracking import ENDED, close_open
 
-        closed = getattr(e, "closed", []) + close_open("KILLED", interrupt_reason(e))
-        say(f"[{entry}] {interrupt_reason(e)}: " + (f"run(s) {', '.join(closed)} ended KILLED" if closed else
-                                                     "no run was open"))
+        noted = getattr(e, "closed", []) + close_open("KILLED", interrupt_reason(e))
+        closed, left = [r for r in noted if r in ENDED], [r for r in noted if r not in ENDED]
+        ended = f"run(s) {', '.join(closed)} ended KILLED" if closed else ""
+        if left:  # the store did not take the end (its line above says when and how to close them)
+            ended += ("; " if ended else "") + f"run(s) {', '.join(left)} left RUNNING: the store did not end them"
+        say(f"[{entry}] {interrupt_reason(e)}: {ended or 'no run was open'}")
         raise SystemExit(getattr(e, "code", 130)) from None
     finally:
         _checks.pop(entry, None)

@@ -349,11 +349,16 @@ def _recorded_work(job: Job, work: Callable[[Job], Result], timing: dict) -> Res
             timing["work_s"] = time.perf_counter() - t_work
             if job.cp is not None:
                 parallel.close(worked)
-            with tracking.writing(job.run.client):
-                tracking.log_batch(job.run.client, job.run.id, tags={
-                    **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
-                    "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
-                    "fallbacks": "; ".join(rec.fallbacks) or "none"})
+            try:
+                with tracking.writing(job.run.client):
+                    tracking.log_batch(job.run.client, job.run.id, tags={
+                        **{f"backend_ran_{b}": n for b, n in rec.ran.items()},
+                        "backends_ran": ",".join(f"{b}={rec.ran[b]}" for b in BRANCHES if b in rec.ran) or "none",
+                        "fallbacks": "; ".join(rec.fallbacks) or "none"})
+            except tracking.StoreError as e:
+                if worked:  # else the work's own error (a signal's, the store's) is what ends the job
+                    raise
+                log.error(f"run {job.run.id}: the backends that ran were not recorded: {e}")
     return res
 
 

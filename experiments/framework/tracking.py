@@ -44,8 +44,12 @@ from .hardware import Device
 from .logs import say
 
 SQLITE = "sqlite:///"
-PROBE_TIMEOUT_S = 5          # the first request to a tracking server
-HTTP_RETRIES, HTTP_TIMEOUT_S = 3, 30  # MLflow's own retries afterwards (its defaults: 7 retries, 120 s)
+PROBE_TIMEOUT_S = 5  # no retry: the first request to a tracking server, every request once one went unanswered,
+#                     and the runs closed on the way out (a signal, an exit)
+# MLflow's own retries otherwise (its defaults: 7 retries of 120 s): a request to a server that stops answering
+# gives up within about 40 s (3 tries of 10 s, 2 + 4 s of backoff), and the job fails in one line.
+HTTP_RETRIES, HTTP_TIMEOUT_S = 2, 10
+_UNANSWERED: set[int] = set()  # id() of the clients whose server refused or did not answer a request
 # The UI opens an experiment in the runs (model training) view, not the GenAI traces view: the
 # experiment tag MLflow 3's UI reads (mlflow/server/js: "mlflow.experimentKind"), and the URL parameter
 # that wins over it in 3.17's UI.
@@ -224,8 +228,14 @@ def writing(client):
     from mlflow.exceptions import MlflowException
 
     try:
-        yield
+        with env.mlflow_http_probe(PROBE_TIMEOUT_S) if id(client) in _UNANSWERED else contextlib.nullcontext():
+            yield
+    except KeyboardInterrupt:  # a signal during a request: what is sent on the way out, one try each
+        _UNANSWERED.add(id(client))
+        raise
     except (MlflowException, OSError) as e:
+        if _server_down(e):  # what this process still sends there: one try each, PROBE_TIMEOUT_S
+            _UNANSWERED.add(id(client))
         raise StoreError(store_error(masked(str(getattr(client, "tracking_uri", "?"))), e)) from e
 
 
@@ -467,6 +477,9 @@ def start_run(store: Store, name: str, parent: str | None = None, tags: dict | N
     return rid
 
 
+ENDED: set[str] = set()  # the runs this process ended (set_terminated answered)
+
+
 def end_run(client, rid: str, status: str, error: str | None = None) -> None:
     """End a run (FINISHED, FAILED, KILLED); ``error`` is recorded as its ``error`` tag first. Where the
     store fails (a full disk), the status is still tried, then :class:`StoreError` raised."""
@@ -480,6 +493,7 @@ def end_run(client, rid: str, status: str, error: str | None = None) -> None:
     try:
         with writing(client):
             client.set_terminated(rid, status)
+        ENDED.add(rid)
     except StoreError as e:
         raise StoreError(f"{e}; run {rid} could not be ended {status} ({when_back(e)}: "
                          f"python -m experiments.close_stale {rid})") from e
@@ -498,16 +512,22 @@ def when_back(e: BaseException) -> str:
     or did not answer the connection, or another store error."""
     if out_of_space(e):
         return "once the store has room"
+    if _server_down(e):
+        return "the tracking server refused or did not answer the connection; once it answers again"
+    return "once the store works again"
+
+
+def _server_down(e: BaseException | None) -> bool:
+    """Whether ``e`` (or an error it came from) is a tracking server that refused, dropped or did not answer
+    the connection."""
     seen, text = set(), ""
     while e is not None and id(e) not in seen:  # the message and every error it came from
         seen.add(id(e))
         text += f" {e}"
         if isinstance(e, ConnectionError):
-            return "the tracking server refused or dropped the connection; once it answers again"
+            return True
         e = e.__cause__ or e.__context__
-    if any(s in text for s in UNREACHABLE):
-        return "the tracking server refused or did not answer the connection; once it answers again"
-    return "once the store works again"
+    return any(s in text for s in UNREACHABLE)
 
 
 def reopen(client, rid: str) -> None:
@@ -525,6 +545,7 @@ def close_open(status: str, reason: str) -> list[str]:
     closed = []
     for rid, client in list(_OPEN.items()):
         try:
+            _UNANSWERED.add(id(client))  # on the way out: one try of PROBE_TIMEOUT_S a request
             end_run(client, rid, status, reason)
             closed.append(rid)
         except Exception as e:  # noqa: BLE001  (keep closing the others; the run stays for close_stale)
