@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -219,3 +220,18 @@ def mlflow_server(tmp: Path, port: int, *extra: str) -> subprocess.Popen:
                              f"sqlite:///{tmp / 'server.db'}", "--default-artifact-root", str(tmp / "art"),
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1", *extra],
                             cwd=tmp, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextmanager
+def served(tmp: Path, *extra: str):
+    """A running :func:`mlflow_server` in tmp on a free port: (port, its Popen); afterwards its process group is
+    killed (continued first, in case the test stopped it with SIGSTOP)."""
+    port = free_port()
+    p = mlflow_server(tmp, port, *extra)
+    try:
+        until(lambda: server_up(port), 120, "the MLflow server answered")
+        yield port, p
+    finally:
+        os.killpg(p.pid, signal.SIGCONT)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from entrypoints import env, free_port, mlflow_server, server_up, until
+from entrypoints import env, served, until
 from mlflow import MlflowClient
 
 GIVE_UP_S = 90   # the stated ~40 s and the process's own start and first steps, on a loaded 2-core machine
@@ -22,15 +22,8 @@ SIGTERM_S = 40   # one request of 5 s for the backends' tags and two for the run
 
 @pytest.fixture
 def stopped_server(tmp_path):
-    port = free_port()
-    srv = mlflow_server(tmp_path, port)
-    try:
-        until(lambda: server_up(port), 120, "the MLflow server answered")
+    with served(tmp_path) as (port, srv):
         yield port, srv
-    finally:
-        os.killpg(srv.pid, signal.SIGCONT)
-        os.killpg(srv.pid, signal.SIGKILL)
-        srv.wait()
 
 
 def _train_until_logging(tmp_path, port) -> tuple[subprocess.Popen, MlflowClient]:

@@ -7,11 +7,9 @@ artifacts (config.yaml, the CSV, environment.json) and no param or tag; the URI 
 ``.hydra/``."""
 from __future__ import annotations
 
-import os
-import signal
 
 import pytest
-from entrypoints import free_port, mlflow_server, server_up, start, until, wait
+from entrypoints import served, start, wait
 from mlflow import MlflowClient
 
 PASSWORD = "Pw-9f3kQz7"
@@ -20,14 +18,8 @@ PASSWORD = "Pw-9f3kQz7"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    port = free_port()
-    p = mlflow_server(tmp, port)
-    try:
-        until(lambda: server_up(port), 120, "the MLflow server answered")
+    with served(tmp) as (port, _):
         yield tmp, port
-    finally:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
 
 
 def _everything_under(folder) -> str:
