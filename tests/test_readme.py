@@ -74,7 +74,7 @@ def test_quickstart_has_exactly_two_command_lines():
         assert line in ci.splitlines(), f".ci/run must run the README's line as written: {line}"
 
 
-QUICK_TIER = "TRITON_INTERPRET=1 python -m pytest -q -m quick"
+QUICK_TIER = "TRITON_INTERPRET=1 python -m pytest -q -n auto --dist loadfile -m quick"
 
 
 def test_quickstart_names_the_quick_tier_and_ci_runs_it_before_the_suite():
