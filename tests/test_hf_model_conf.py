@@ -5,6 +5,7 @@ that cannot give a layer is one line naming model.hf_path, exit 2, no run. docs/
 with ``<folder>`` a tiny Qwen2 config."""
 from __future__ import annotations
 
+import json
 import re
 
 import entrypoints
@@ -42,12 +43,17 @@ def folders(tmp_path_factory):
     bogus = transformers.LlamaConfig(**LLAMA)
     bogus.nsa = {"l": 8, "bogus": 1}  # a hand-edited nsa
     bogus.save_pretrained(root / "bogus")
+    for name, key, value in [("deep", "num_hidden_layers", 10**9), ("no_kv_heads", "num_key_value_heads", 0),
+                             ("zero_heads", "num_attention_heads", 0)]:  # hand-edited sizes
+        f = save_config(root / name, transformers.LlamaConfig, **LLAMA) / "config.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), key: value}))
     return {"qwen2": save_config(root / "qwen2", transformers.Qwen2Config, **QWEN2),
             "llama": save_config(root / "llama", transformers.LlamaConfig, **LLAMA),
             "converted": root / "converted",
             "gpt2": save_config(root / "gpt2", transformers.GPT2Config, n_embd=64, n_layer=1, n_head=2),
             "empty": root / "empty", "missing": root / "nope", "bogus": root / "bogus",
-            "scaled": save_config(root / "scaled", transformers.LlamaConfig, **scaled)}
+            "scaled": save_config(root / "scaled", transformers.LlamaConfig, **scaled),
+            **{n: root / n for n in ("deep", "no_kv_heads", "zero_heads")}}
 
 
 def documented() -> list[str]:
@@ -71,6 +77,10 @@ ERRORS = {  # name: (entry, the folder or None for the shim's case, the texts of
     "bogus": ("prefill", "bogus", ["unknown NSA setting 'bogus'", "(NSA settings from config.json's nsa)"]),
     "no_transformers": ("decode", "qwen2", ["needs transformers, the [hf] extra"]),
     "generate": ("generate", "qwen2", ["experiments.generate does not take it"]),
+    # sizes read from the file, checked before the model is built (a billion layers would be built one by one)
+    "deep": ("decode", "deep", ["config.json's num_hidden_layers=1000000000: must be an integer from 1 to 1024"]),
+    "no_kv_heads": ("prefill", "no_kv_heads", ["config.json's num_key_value_heads=0: must be an integer >= 1"]),
+    "zero_heads": ("decode", "zero_heads", ["config.json: ZeroDivisionError"]),
 }
 
 

@@ -56,11 +56,12 @@ def nsa_config(cfg: DictConfig, entry: str) -> nsa.NSAConfig:
                           f"{_one_line(e)}") from e
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{where}: config.json: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001  (a user's file: transformers' checks raise many kinds, all one line here)
+        raise ConfigError(f"{where}: config.json: {type(e).__name__}: {_one_line(e)}") from e
     arch = getattr(config, "model_type", None)
     if arch not in hf.ARCHITECTURES:
         raise ConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(hf.ARCHITECTURES)}")
+    _check_sizes(config, where)
     ours = _settings_node(cfg)
     saved = getattr(config, "nsa", None)
     if saved is not None and not isinstance(saved, dict):
@@ -83,6 +84,26 @@ def nsa_config(cfg: DictConfig, entry: str) -> nsa.NSAConfig:
     cfg.model.hf_replaced = " ".join(replaced) or "none"
     cfg.model.name = path.name
     return ncfg
+
+
+# config.json's sizes, checked before the model is built on the meta device: building loops over the layers
+# (the largest public dense models have about 130), and a zero or a non-integer fails inside transformers.
+SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+         "vocab_size", "head_dim")
+MAX_LAYERS = 1024
+
+
+def _check_sizes(config, where: str) -> None:
+    """A ConfigError naming the first of config.json's SIZES that is not a positive integer (num_hidden_layers at
+    most MAX_LAYERS); head_dim may be absent or null (hidden_size / num_attention_heads)."""
+    for key in SIZES:
+        v = getattr(config, key, None)
+        if key == "head_dim" and v is None:
+            continue
+        top = MAX_LAYERS if key == "num_hidden_layers" else None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (top is not None and v > top):
+            rule = f"an integer from 1 to {top}" if top else "an integer >= 1"
+            raise ConfigError(f"{where}: config.json's {key}={v!r}: must be {rule}")
 
 
 def _differs(a, b) -> bool:
