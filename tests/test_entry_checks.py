@@ -5,6 +5,7 @@ a single run (``run_job``'s check) and in a sweep, where every job is checked be
 from __future__ import annotations
 
 from functools import partial
+from importlib.util import find_spec
 
 import pytest
 from entrypoints import make_template, one_line, run_bounded, start, wait
@@ -32,6 +33,8 @@ def refused(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_entrys_own_rule_refuses_before_any_run(refused, case):
+    if CASES[case][0] == "generate" and find_spec("transformers") is None:  # it refuses the missing extra first
+        pytest.skip("experiments.generate needs the hf extra: pip install -e '.[hf]'")
     tmp, rc, err = refused[case]
     lines = one_line(err)
     assert rc == 2 and len(lines) == 1, (case, err[-2000:])
