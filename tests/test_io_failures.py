@@ -156,6 +156,7 @@ def test_sweep_on_a_full_disk_fails_its_jobs_in_one_line_each_and_prints_its_sum
     """The sweep's folder fills up while its first job runs: that job's log and CSV, the next job's
     folder and the sweep's own files cannot be written."""
     disk = tmpfs(tmp_path / "disk", size="1m")
+    entrypoints.make_template(tmp_path / "mlflow.db")  # the poll below then never creates tables beside the sweep
     p = start(tmp_path, "decode", *DECODE, "-m", "seq=64,128", "model.timing.repeats=1000",
               f"hydra.sweep.dir={disk / 'sw'}", name=None)
     t0 = time.time()
