@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
 
 from nsa import NSAAttention, NSAConfig  # noqa: E402
-from nsa.integrations import hf  # noqa: E402
+from nsa.integrations import hf, hf_cache  # noqa: E402
 
 F64 = torch.float64
 # T = 40..64 below: 5-8 selection blocks for n_sel = 3 (the top-n chooses), past the window of 16, and a
@@ -93,7 +93,7 @@ def test_generate_with_nsa_cache_equals_recomputation(arch, monkeypatch):
     on NSACache (grown on the way, copied into one twice as long: capacity in steps of 16 here); without it, the whole sequence
     is recomputed at every step. NSA rotates with its own float64 RoPE, so transformers' float32 RoPE is on
     neither path: the two differ by float64 summation order at most (0.0 measured here), hence 1e-12."""
-    monkeypatch.setattr(hf, "_GROW", 16)
+    monkeypatch.setattr(hf_cache, "_GROW", 16)
     calls = []
     append = hf.NSACacheLayer.append
     monkeypatch.setattr(hf.NSACacheLayer, "append",
@@ -214,15 +214,31 @@ def test_a_sliding_window_model_is_refused_and_the_named_keyword_converts_it(arc
     assert all(isinstance(layer.self_attn, hf.NSASelfAttention) for layer in model.model.layers)
 
 
-def test_padding_and_dense_checkpoints_are_refused(tmp_path):
+def test_masks_and_positions_it_cannot_express_and_dense_checkpoints_are_refused(tmp_path):
+    """Padding is taken in a prompt (tests/test_hf_padding.py); what NSA cannot express stops in one line."""
     model = converted("llama")
     x = ids(T=20)
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0
-    with pytest.raises(ValueError, match=r"^attention_mask: an NSA model takes no padding"):
-        model.generate(x, attention_mask=mask, max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"^position_ids: an NSA model places its tokens at positions 0\.\.19"):
-        model(x, position_ids=torch.arange(20)[None] + 5)
+    cases = [
+        (dict(attention_mask=torch.ones(2, 1, 20, 20)), r"^attention_mask: an NSA model takes a \[batch, tokens\] mask "
+                                                        r"of 0 \(padding\) and 1 \(real token\), got \(2, 1, 20, 20\)"),
+        (dict(attention_mask=torch.full_like(x, 2)), r"^attention_mask: an NSA model takes a \[batch, tokens\] mask"),
+        (dict(attention_mask=torch.zeros_like(x).index_fill(0, torch.tensor([1]), 1)),
+         r"^attention_mask: row 0 masks every token; each row needs at least one real token$"),
+        (dict(position_ids=torch.arange(20)[None] + 5),
+         r"^position_ids: an NSA model places each row's real tokens at the positions after those cached \(row 0: 0\.\.19\)"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(ValueError, match=pattern) as e:
+            model(x, **kw)
+        assert "\n" not in str(e.value)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :12], past_key_values=cache, use_cache=True)
+        mask = torch.ones_like(x)
+        mask[0, 14] = 0
+        with pytest.raises(ValueError, match=r"^attention_mask: masks some of the 8 new tokens after 12 cached ones; an "
+                                             r"NSA model takes padding in the prompt only"):
+            model(x[:, 12:], attention_mask=mask, past_key_values=cache, use_cache=True)
     dense("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"config\.json has no 'nsa' settings"):
         hf.from_pretrained(tmp_path)
@@ -334,9 +350,12 @@ def test_lm_hf_path_runs_and_refuses_in_one_line(folders, tmp_path):
     _, rs = entrypoints.runs(tmp_path / "mlflow.db", "train")
     assert len(rs) == 3 and all(r.info.status == "FINISHED" for r in rs)
     (tmp_path / "x").mkdir()  # the refusals below leave nothing in it
-    for args, line in [(["lm.dim=32"], "lm.dim=32: the model at lm.hf.path has hidden_size=64"),
-                       ([f"lm.hf.path={folders / 'nsa'}", "lm.nsa.w=64"],
-                        "lm.nsa.w=64: the converted model at lm.hf.path has w=32"),
+    differs = "lm.hf.path: the model there differs from this config in "
+    for args, line in [(["lm.n_layers=3"], differs + "1 setting: lm.n_layers=3 (it has num_hidden_layers=2); set them "
+                                                     "to the folder's values"),
+                       ([f"lm.hf.path={folders / 'nsa'}", "lm.nsa.w=64", "lm.nsa.n_sel=5", "lm.mlp_hidden=64"],
+                        differs + "3 settings: lm.mlp_hidden=64 (it has intermediate_size=256); lm.nsa.n_sel=5 (it "
+                                  "has n_sel=4); lm.nsa.w=64 (it has w=32); set them to the folder's values"),
                        ([f"lm.hf.path={folders / 'nope'}"],
                         f"lm.hf.path={str(folders / 'nope')!r}: no config.json there (a save_pretrained folder or a config)")]:
         p = subprocess.run([*run, *args], cwd=tmp_path / "x", env=entrypoints.env(), capture_output=True, text=True,

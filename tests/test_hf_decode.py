@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")  # the [hf] extra; CI install
 
 from nsa.backends.triton import triton_unsupported  # noqa: E402
 from nsa.decode import GraphDecoder  # noqa: E402
-from nsa.integrations import hf  # noqa: E402
+from nsa.integrations import hf, hf_cache  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(triton_unsupported() is not None, reason=triton_unsupported() or ""),
               pytest.mark.usefixtures("fast_interpreter")]
@@ -63,7 +63,7 @@ def greedy(model, prompt, new):
 def test_generate_on_the_fused_decode_step_equals_the_module_path(arch, monkeypatch):
     """37-token prompt, 16 tokens: the compressed blocks complete every 4 tokens, the top-n chooses among 5-7
     blocks, and the cache (capacity in steps of 16 here: 48) grows at token 49, which makes a new decoder."""
-    monkeypatch.setattr(hf, "_GROW", 16)
+    monkeypatch.setattr(hf_cache, "_GROW", 16)
     made = []
     orig = GraphDecoder.__init__
     monkeypatch.setattr(GraphDecoder, "__init__", lambda self, *a, **k: made.append(1) or orig(self, *a, **k))

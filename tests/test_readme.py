@@ -33,6 +33,7 @@ def test_readme_hf_example_runs(tmp_path, monkeypatch):
     exec(compile(README_BLOCKS[1], "README.md block 1", "exec"), ns)
     assert ns["tokens"].shape == (1, 11) and (tmp_path / "nsa-llama" / "model.safetensors").exists()
     assert isinstance(ns["model"].model.layers[1].self_attn, NSASelfAttention) and ns["model"].config.nsa["n_sel"] == 16
+    assert type(ns["model"]).__name__ == "NSALlamaForCausalLM"  # loaded back through the Auto class
 
 
 @pytest.mark.parametrize("i", [0, 1])

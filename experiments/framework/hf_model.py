@@ -58,12 +58,12 @@ def nsa_config(cfg: DictConfig, entry: str) -> nsa.NSAConfig:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001  (a user's file: transformers' checks raise many kinds, all one line here)
         raise ConfigError(f"{where}: config.json: {type(e).__name__}: {_one_line(e)}") from e
+    config, saved = hf.dense_config(config)  # an NSA model type's: its dense architecture and settings
     arch = getattr(config, "model_type", None)
     if arch not in hf.ARCHITECTURES:
         raise ConfigError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(hf.ARCHITECTURES)}")
     _check_sizes(config, where)
     ours = _settings_node(cfg)
-    saved = getattr(config, "nsa", None)
     if saved is not None and not isinstance(saved, dict):
         raise ConfigError(f"{where}: config.json's nsa={saved!r}: must be a dict of NSA settings")
     settings = dict(saved) if saved is not None else {k: v for k, v in ours.items() if k in hf.SETTINGS}

@@ -51,36 +51,39 @@ def check(lm, attention: str, selection: str = "topn", vocab_size: int | None = 
 def _check_folder(lm, path: Path, attention: str, vocab_size: int | None) -> None:
     import transformers
 
+    from nsa.integrations import hf  # registers the NSA model types (nsa_llama, ...) with AutoConfig
+
     if not (path / "config.json").is_file():
         raise ValueError(f"lm.hf.path={str(path)!r}: no config.json there (a save_pretrained folder or a config)")
-    c = transformers.AutoConfig.from_pretrained(path)
+    c, done = hf.dense_config(transformers.AutoConfig.from_pretrained(path))  # done: a converted model's settings
     if c.model_type != lm.hf["arch"]:
         raise ValueError(f"lm.hf.arch={lm.hf['arch']!r}: the model at lm.hf.path is {c.model_type!r}")
     want = hf_config(lm, getattr(c, "vocab_size", 0))
+    wrong = []  # every setting the folder disagrees with, named at once
     for key, field in (("dim", "hidden_size"), ("mlp_hidden", "intermediate_size"), ("n_layers", "num_hidden_layers"),
                        ("nsa.n_heads", "num_attention_heads"), ("nsa.n_kv_heads", "num_key_value_heads"),
                        ("nsa.d_k", "head_dim")):
         got = getattr(c, field, None) if field != "head_dim" else (
             getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
         if got != getattr(want, field):
-            raise ValueError(f"lm.{key}={getattr(want, field)!r}: the model at lm.hf.path has {field}={got!r}")
+            wrong.append(f"lm.{key}={getattr(want, field)!r} (it has {field}={got!r})")
     theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta")
     if theta != want.rope_parameters["rope_theta"]:
-        raise ValueError(f"lm.nsa.rope_base={want.rope_parameters['rope_theta']!r}: the model at lm.hf.path has "
-                         f"rope_theta={theta!r}")
-    if vocab_size is not None and c.vocab_size < vocab_size:
-        raise ValueError(f"lm.hf.path: the model's vocab_size={c.vocab_size} is smaller than the task's {vocab_size}")
-    done = getattr(c, "nsa", None)  # a converted model's NSA settings
-    if done is not None and attention != "nsa":
-        raise ValueError(f"attention.kind={attention!r}: the model at lm.hf.path is NSA already (converted)")
-    if done is not None:
+        wrong.append(f"lm.nsa.rope_base={want.rope_parameters['rope_theta']!r} (it has rope_theta={theta!r})")
+    if done is not None and attention == "nsa":
         from nsa import NSAConfig
 
         mine = lm.attention_config().to_dict()
         theirs = NSAConfig(**{**mine, **done}).to_dict()  # the same normal form (gate_bias a tuple)
-        for key in done:
-            if theirs[key] != mine[key]:
-                raise ValueError(f"lm.nsa.{key}={mine[key]!r}: the converted model at lm.hf.path has {key}={theirs[key]!r}")
+        wrong += [f"lm.nsa.{key}={mine[key]!r} (it has {key}={theirs[key]!r})" for key in done if theirs[key] != mine[key]]
+    if wrong:
+        raise ValueError(f"lm.hf.path: the model there differs from this config in {len(wrong)} setting"
+                         f"{'s' if len(wrong) > 1 else ''}: {'; '.join(wrong)}; set them to the folder's values")
+    if vocab_size is not None and c.vocab_size < vocab_size:
+        raise ValueError(f"lm.hf.path: the model's vocab_size={c.vocab_size} is smaller than the task's {vocab_size}")
+    if done is not None and attention != "nsa":
+        raise ValueError(f"attention.kind={attention!r}: the model at lm.hf.path is NSA already (converted)")
+
 
 def hf_config(lm, vocab_size: int):
     """The transformers config of ``lm.hf.arch`` at the lm node's shape."""
@@ -119,7 +122,7 @@ class HFLM(nn.Module):
         elif weights and not meta:
             self.hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
         else:
-            self.hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            self.hf = transformers.AutoModelForCausalLM.from_config(hf.dense_config(config)[0], attn_implementation="sdpa")
         self.hf.float()  # the loop's weights are float32 (bfloat16 runs under autocast)
         if attention == "nsa" and not self.nsa_layers():
             settings = {k: v for k, v in dict(lm.nsa).items() if k in hf.SETTINGS}

@@ -26,158 +26,45 @@ every later token its cached decode step, run as ``decode`` says (:data:`DECODE`
 * ``auto`` (the default): ``graph`` on a CUDA device where the layer's backend has decode kernels, under
   ``torch.no_grad()`` (as ``generate`` runs), else ``module``. ``NSASelfAttention.decode_ran`` says which ran last.
 
-Without a cache, the whole sequence runs as prefill. Padding is refused: NSA places each row's tokens at
-positions 0..T-1 (run rows of unequal length one at a time).
+Without a cache, the whole sequence runs as prefill. A padded batch (``attention_mask`` of 0 at the pads, left
+padding as ``generate`` batches prompts, right padding in training) runs each row's real tokens as that row
+alone: packed along one sequence (``cu_seqlens``) in the prefill, then a ragged cache whose row b decodes at its
+own length; the pads' outputs are zeros.
+
+The model types: ``convert`` gives the model a copy of its config as ``NSALlamaConfig`` (``nsa_llama``;
+``nsa_qwen2``, ``nsa_mistral``) and a ``LlamaForCausalLM`` becomes ``NSALlamaForCausalLM`` (its subclass), so
+``save_pretrained`` writes that type, and ``AutoModelForCausalLM.from_pretrained(dir)`` loads the NSA model once
+this module is imported (it registers the types with the Auto classes; without it transformers refuses the
+type), on the reference backend: :func:`use_backend` moves it to another.
 """
 from __future__ import annotations
 
-import json
+import copy
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 try:
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.cache_utils import CacheLayerMixin
+    from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 except ImportError as e:  # the [hf] extra is not installed: say which, in one line
     raise ImportError(f"nsa.integrations.hf needs transformers, the hf extra: pip install -e '.[hf]' ({e})") from None
 
 from .. import dispatch
 from ..config import NSAConfig
-from ..decode import DECODE_PATHS, GraphDecoder
-from ..module import NSAAttention, NSACache
+from ..decode import DECODE_PATHS
+from ..module import NSAAttention
+from .hf_cache import BUFFERS, NSACacheLayer, cache_layer
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")  # config.model_type
+__all__ = ["ARCHITECTURES", "BUFFERS", "DECODE", "NSACacheLayer", "NSASelfAttention", "SETTINGS", "cache_layer", "convert",
+           "dense_config", "from_pretrained", "nsa_config", "use_backend"]
+ARCHITECTURES = ("llama", "qwen2", "mistral")  # the dense models' config.model_type
 # NSAConfig fields the model fixes (convert reads them from it); the others are the NSA settings.
 FROM_MODEL = ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "rope_base", "qkv_bias", "o_bias")
 SETTINGS = tuple(f.name for f in fields(NSAConfig) if f.name not in FROM_MODEL)
-BUFFERS = ("k_cmp_raw", "v_cmp_raw", "k_cmp", "v_cmp", "k_sel", "v_sel", "k_win", "v_win")
 DECODE = DECODE_PATHS  # how a cached layer runs one new token (the module docstring)
-_GROW = 1024  # an NSACacheLayer's capacity grows in multiples of this many tokens
-
-
-class NSACacheLayer(CacheLayerMixin):
-    """One decoder layer's slot of a transformers ``Cache``: the layer's :class:`nsa.NSACache`, grown (copied
-    into one twice as long) when a prompt or step does not fit. Beam search, assisted decoding and batch
-    expansion reach it through the methods transformers calls on every cache layer."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(self):
-        super().__init__()
-        self.nsa_cache: NSACache | None = None
-        self.decoder = None  # a GraphDecoder over nsa_cache (decode "step" / "graph"), made at the first token
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        """transformers' hook before a layer's first update: nothing (the NSA cache is made on the first append)."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """transformers' dense key/value update: refused, an NSA layer appends through :meth:`append`."""
-        raise RuntimeError("NSACacheLayer: an NSA layer keeps its own keys and values (NSACacheLayer.append)")
-
-    def append(self, layer: NSAAttention, x: torch.Tensor, decode: str = "module") -> torch.Tensor:
-        """``layer(x, cache)``: x's tokens appended after those cached, the cache grown first if needed; a single
-        token after a prefill runs as ``decode`` says (:data:`DECODE`; ``auto`` resolved by the caller)."""
-        old = self.nsa_cache
-        n = (old.length if old is not None else 0) + x.shape[1]
-        if old is None or n > old.max_len:
-            cap = -(-max(n, 2 * old.max_len if old is not None else 0) // _GROW) * _GROW
-            new = layer.new_cache(x.shape[0], cap, device=x.device)
-            if old is not None:
-                L, Lc = old.length, layer.config.n_cmp(old.length)
-                for name in BUFFERS:
-                    m = Lc if name in ("k_cmp", "v_cmp") else L
-                    getattr(new, name)[:, :m] = getattr(old, name)[:, :m]
-                new.length = L
-            self.nsa_cache, self.is_initialized, self.decoder = new, True, None
-        if decode == "module" or x.shape[1] != 1 or self.nsa_cache.length == 0:
-            return layer(x, self.nsa_cache)
-        return self._step(layer, x, graph=decode == "graph")
-
-    def _step(self, layer: NSAAttention, x: torch.Tensor, graph: bool) -> torch.Tensor:
-        """One token through the layer's :class:`nsa.decode.GraphDecoder` over this cache (made, and its step
-        captured, at the first token after a prefill or a growth); positions moved by others (``crop``,
-        ``reset``, a chunk through the module) are read back first."""
-        dec = self.decoder
-        if dec is None or dec.module is not layer:
-            dec = self.decoder = GraphDecoder(layer, self.nsa_cache)
-        elif dec.moved():
-            dec.sync_position()
-        if not graph:
-            return dec.step(x)
-        if not dec.captured:
-            dec.capture()
-        return dec.replay(x).clone()
-
-    def get_seq_length(self) -> int:
-        """Tokens cached (0 before the first append)."""
-        return 0 if self.nsa_cache is None else self.nsa_cache.length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """transformers' mask shape for ``query_length`` new tokens: (keys seen, offset 0)."""
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        """-1: no fixed maximum (the cache grows by doubling)."""
-        return -1
-
-    def reset(self) -> None:
-        """Empty the cache (its buffers kept)."""
-        if self.nsa_cache is not None:
-            self.nsa_cache.reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (a positive value: keep that many, transformers' older
-        form). Compressed tokens of the kept blocks stay valid; later appends overwrite the rest."""
-        L = self.get_seq_length()
-        keep = tokens_to_remove if tokens_to_remove > 0 else L + tokens_to_remove
-        if 0 <= keep < L:
-            self.nsa_cache.length = keep
-
-    def _map(self, fn) -> None:
-        c = self.nsa_cache
-        if c is not None:
-            self.nsa_cache = NSACache(*(fn(getattr(c, f)) for f in BUFFERS), max_len=c.max_len, length=c.length)
-            self.decoder = None  # its buffers were the old cache's
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: the cache's rows reordered by ``beam_idx``."""
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Each row repeated ``repeats`` times (generate's expansion for beams or samples)."""
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """The rows ``indices`` kept."""
-        self._map(lambda t: t[indices])
-
-    def offload(self):
-        """Refused: the NSA cache stays on its device."""
-        raise NotImplementedError("NSACacheLayer: cache offloading is not supported")
-
-    prefetch = offload
-
-
-def cache_layer(cache, layer_idx: int) -> NSACacheLayer:
-    """The NSA slot of ``cache`` (a transformers ``Cache``) for decoder layer ``layer_idx``, put in place of the
-    empty dense layer transformers made there."""
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list):
-        raise ValueError(f"past_key_values: {type(cache).__name__} is not a transformers Cache of layers; NSA layers "
-                         "take a DynamicCache (generate's default) or none")
-    while len(layers) <= layer_idx:  # a DynamicCache made without a config adds its layers lazily
-        layers.append(NSACacheLayer())
-    slot = layers[layer_idx]
-    if not isinstance(slot, NSACacheLayer):
-        if slot.get_seq_length() > 0:
-            raise ValueError(f"past_key_values: layer {layer_idx} holds a dense model's keys and values; an NSA "
-                             "model's cache starts empty")
-        slot = layers[layer_idx] = NSACacheLayer()
-    return slot
 
 
 def fused_decode(backend, device: torch.device, dtype: torch.dtype) -> bool:
@@ -194,16 +81,28 @@ def fused_decode(backend, device: torch.device, dtype: torch.dtype) -> bool:
             and all(be.unavailable(b, device, dtype) is None for b in dispatch.BRANCHES))
 
 
+class Batch:
+    """What the base model's forward pre-hook read from transformers' call for its NSA layers: ``real``, which of
+    the call's tokens are real ([B,T] bool, from a 2D ``attention_mask``; None where every one is)."""
+
+    real: torch.Tensor | None = None
+
+
 class NSASelfAttention(nn.Module):
     """A decoder layer's ``self_attn``: transformers' call in, :class:`nsa.NSAAttention` (``.nsa``) run, with the
-    layer's :class:`NSACacheLayer` when a cache is passed. Returns ``(output, None)``: no attention weights."""
+    layer's :class:`NSACacheLayer` when a cache is passed. Returns ``(output, None)``: no attention weights.
+
+    A padded batch (``batch.real``, set by the model's pre-hook from ``attention_mask``): each row's real tokens
+    are packed into one sequence per row (``cu_seqlens``) and run as if that row were alone; the masked tokens'
+    outputs are zeros. With a cache, that is the prompt (its slot empty), filling a ragged cache whose row b
+    continues at its own length."""
 
     def __init__(self, config: NSAConfig, layer_idx: int, *, backend="reference", fallback=None, streams=True,
-                 decode: str = "auto"):
+                 decode: str = "auto", batch: Batch | None = None):
         super().__init__()
         if decode not in DECODE:
             raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE)}")
-        self.layer_idx, self.decode = layer_idx, decode
+        self.layer_idx, self.decode, self.batch = layer_idx, decode, batch or Batch()
         self.decode_ran: str | None = None  # how the last single cached token ran (DECODE's names; None: none yet)
         self._fused: dict = {}  # (backend, device, dtype) -> fused_decode's answer, asked once, not per token
         self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
@@ -224,6 +123,8 @@ class NSASelfAttention(nn.Module):
         """transformers' attention call: ``(NSA's output, None)``; with a cache, the tokens are appended to this
         layer's :class:`NSACacheLayer` and attend to those before them."""
         kv = cache if cache is not None else past_key_values  # transformers 5.24 renamed it `cache`
+        if self.batch.real is not None:
+            return self._padded(hidden_states, kv), None
         if kv is None:
             return self.nsa(hidden_states), None
         slot = cache_layer(kv, self.layer_idx)
@@ -236,12 +137,27 @@ class NSASelfAttention(nn.Module):
         self.decode_ran = path
         return slot.append(self.nsa, hidden_states, path), None
 
+    def _padded(self, x: torch.Tensor, kv) -> torch.Tensor:
+        """x [B,T,dim] of which ``batch.real`` marks the real tokens: each row's packed and run alone."""
+        real = self.batch.real
+        B, T, dim = x.shape
+        at = real.reshape(-1).nonzero().squeeze(1)
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=x.device)
+        cu[1:] = real.sum(1).cumsum(0)
+        packed = x.reshape(B * T, dim).index_select(0, at)[None]
+        if kv is None:
+            y = self.nsa(packed, cu_seqlens=cu)
+        else:
+            y = cache_layer(kv, self.layer_idx).prefill_rows(self.nsa, packed, cu, B)
+        return x.new_zeros(B * T, dim).index_copy(0, at, y[0]).reshape(B, T, dim)
+
 
 def _model_fields(model) -> tuple[str, dict]:
     """The architecture and what the NSA layers take from the model (FROM_MODEL); a one-line ValueError if
     NSA cannot express its attention."""
     cfg = model.config
     arch = getattr(cfg, "model_type", None)
+    arch = arch.removeprefix("nsa_") if isinstance(cfg, tuple(CONFIGS.values())) else arch
     if arch not in ARCHITECTURES:
         raise ValueError(f"convert: architecture {arch!r} ({type(model).__name__}) is not supported; "
                          f"supported: {', '.join(ARCHITECTURES)}")
@@ -312,21 +228,59 @@ def nsa_config(model, **settings) -> NSAConfig:
     return cfg
 
 
-def _refuse_padding_and_offsets(module, args, kwargs):
-    """A forward pre-hook on the converted base model: NSA places row b's tokens at positions past..past+T-1
-    with its own RoPE and masks; padding or other positions would be silently wrong, so they stop here."""
+def _cached_rows(cache) -> torch.Tensor | None:
+    """Tokens each row of ``cache`` (a transformers Cache) holds in its NSA slots: int64 [B], or None (empty)."""
+    for slot in getattr(cache, "layers", None) or ():
+        if isinstance(slot, NSACacheLayer) and slot.nsa_cache is not None and slot.nsa_cache.length:
+            return slot.nsa_cache.lengths
+    return None
+
+
+def _read_batch(batch: Batch, module, args, kwargs):
+    """A forward pre-hook on the converted base model: which of the call's tokens are real (``attention_mask``,
+    [B, past + T] of 0/1, as transformers pads a batch), into ``batch`` for the NSA layers. NSA places row b's
+    real tokens at positions past_b, past_b + 1, ... with its own RoPE, so ``position_ids`` other than those,
+    or a mask it cannot express, stop here in one line."""
+    batch.real = None
+    x = kwargs.get("input_ids", args[0] if args else None)
+    x = x if x is not None else kwargs.get("inputs_embeds")
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all())):
-        raise ValueError("attention_mask: an NSA model takes no padding or custom mask (each row's tokens at "
-                         "positions 0..T-1); run rows of unequal length one at a time")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if x is None:
+        return
+    B, T = x.shape[:2]
+    past = _cached_rows(cache) if cache is not None else None
+    real = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < T \
+                or not bool(((mask == 0) | (mask == 1)).all()):
+            shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"attention_mask: an NSA model takes a [batch, tokens] mask of 0 (padding) and 1 (real "
+                             f"token), got {shape}; it builds its own causal masks")
+        new = mask[:, -T:].bool()
+        if not bool(new.all()):
+            if past is not None:
+                raise ValueError(f"attention_mask: masks some of the {T} new tokens after {int(past.max())} cached "
+                                 "ones; an NSA model takes padding in the prompt only (the tokens filling an empty "
+                                 "cache)")
+            if not bool(new.any(1).all()):
+                raise ValueError(f"attention_mask: row {int((~new.any(1)).nonzero()[0])} masks every token; each row "
+                                 "needs at least one real token")
+            real = new
     pos = kwargs.get("position_ids")
     if isinstance(pos, torch.Tensor):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        past = cache.get_seq_length() if cache is not None else 0
-        want = torch.arange(past, past + pos.shape[-1], device=pos.device)
-        if not bool((pos == want).all()):
-            raise ValueError(f"position_ids: an NSA model places its tokens at positions {past}..{past + pos.shape[-1] - 1} "
-                             "(after those cached); packed sequences or other positions are not supported")
+        start = (past if past is not None else torch.zeros(B, dtype=torch.int64)).to(pos.device)
+        ones = real if real is not None else torch.ones(B, T, dtype=torch.bool, device=pos.device)
+        want = start[:, None] + ones.long().cumsum(1) - 1
+        if not bool((pos.expand(B, T) == want)[ones].all()):
+            first = f"{int(start[0])}..{int(start[0]) + int(ones[0].sum()) - 1}"
+            raise ValueError(f"position_ids: an NSA model places each row's real tokens at the positions after those "
+                             f"cached (row 0: {first}); packed sequences or other positions are not supported")
+    batch.real = real
+
+
+def _clear_batch(batch: Batch, module, args, kwargs, output):
+    batch.real = None
 
 
 def convert(model, *, backend="reference", fallback=None, streams=True, decode="auto", **settings):
@@ -352,11 +306,12 @@ def _convert(model, settings, backend, fallback, streams=True, decode="auto", *,
     if decode not in DECODE:
         raise ValueError(f"convert: decode={decode!r}: one of {', '.join(DECODE)}")
     cfg = nsa_config(model, **settings)
+    batch = Batch()
     for i, layer in enumerate(_decoder_layers(model)):
         dense = layer.self_attn
         ref = dense.q_proj.weight
-        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback, streams=streams,
-                               decode=decode).to(device=ref.device, dtype=ref.dtype)
+        new = NSASelfAttention(cfg, i, backend=backend, fallback=fallback, streams=streams, decode=decode,
+                               batch=batch).to(device=ref.device, dtype=ref.dtype)
         if copy_weights:
             m = new.nsa
             pairs = [(m.q_proj, dense.q_proj), (m.o_proj, dense.o_proj)]
@@ -371,56 +326,136 @@ def _convert(model, settings, backend, fallback, streams=True, decode="auto", *,
     recorded = {k: v for k, v in cfg.to_dict().items() if k in SETTINGS}
     if recorded["gate_bias"] is not None:
         recorded["gate_bias"] = list(recorded["gate_bias"])
+    if not isinstance(model.config, tuple(CONFIGS.values())):
+        _retype(model)
     model.config.nsa = recorded
     # transformers builds no attention masks for an implementation it does not know: NSA has its own
     model.config._attn_implementation = "nsa"
-    model.base_model.register_forward_pre_hook(_refuse_padding_and_offsets, with_kwargs=True)
+    model.base_model.register_forward_pre_hook(partial(_read_batch, batch), with_kwargs=True)
+    model.base_model.register_forward_hook(partial(_clear_batch, batch), with_kwargs=True, always_call=True)
     return model
 
 
-def _dtype(config) -> torch.dtype | None:
-    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return getattr(torch, d) if isinstance(d, str) else d
+def _retype(model) -> None:
+    """``model`` onto the NSA model type: a copy of its config as the architecture's NSA config (``nsa_llama``,
+    ...; the caller's config object is left as it was), given to every module that held the old one, and a
+    ``LlamaForCausalLM`` (Qwen2's, Mistral's) becomes the NSA subclass, which ``save_pretrained`` names."""
+    old = model.config
+    new = _as(old, CONFIGS[old.model_type])
+    for m in model.modules():
+        if getattr(m, "config", None) is old:
+            m.config = new
+    dense_cls, nsa_cls = MODELS[old.model_type]
+    if type(model) is dense_cls:
+        model.__class__ = nsa_cls
 
 
-def _state_dict(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: no model.safetensors (or its index) to load")
-    out = {}
-    for f in files:
-        out.update(load_file(path / f))
-    return out
+class NSALlamaConfig(LlamaConfig):
+    """A Llama whose attention is NSA: ``nsa`` holds the NSA settings (:data:`SETTINGS`)."""
+    model_type = "nsa_llama"
+    nsa: dict | None = None
 
 
-def from_pretrained(path, *, backend="reference", fallback=None, streams=True, decode="auto"):
-    """A model saved by ``save_pretrained`` after :func:`convert`: its architecture from ``config.json``, NSA
-    with the recorded settings, every weight from its safetensors files (in their dtype), in eval mode;
-    ``backend``, ``fallback``, ``streams``, ``decode``: as :func:`convert`'s."""
+class NSAQwen2Config(Qwen2Config):
+    """A Qwen2 whose attention is NSA: ``nsa`` holds the NSA settings (:data:`SETTINGS`)."""
+    model_type = "nsa_qwen2"
+    nsa: dict | None = None
+
+
+class NSAMistralConfig(MistralConfig):
+    """A Mistral whose attention is NSA: ``nsa`` holds the NSA settings (:data:`SETTINGS`)."""
+    model_type = "nsa_mistral"
+    nsa: dict | None = None
+
+
+class _NSAModel:
+    """The dense causal LM built from the config, then every layer's attention replaced by NSA with the
+    config's settings (random init; ``from_pretrained`` then loads the saved weights into it)."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if not isinstance(getattr(config, "nsa", None), dict):
+            raise ValueError(f"{type(config).__name__}.nsa: must be a dict of NSA settings, got {config.nsa!r}")
+        _convert(self, dict(config.nsa), "reference", None, copy_weights=False)
+
+
+class NSALlamaForCausalLM(_NSAModel, LlamaForCausalLM):
+    config_class = NSALlamaConfig
+
+
+class NSAQwen2ForCausalLM(_NSAModel, Qwen2ForCausalLM):
+    config_class = NSAQwen2Config
+
+
+class NSAMistralForCausalLM(_NSAModel, MistralForCausalLM):
+    config_class = NSAMistralConfig
+
+
+# dense model_type -> the NSA config class; -> (the dense causal LM class, its NSA subclass)
+CONFIGS = {"llama": NSALlamaConfig, "qwen2": NSAQwen2Config, "mistral": NSAMistralConfig}
+MODELS = {"llama": (LlamaForCausalLM, NSALlamaForCausalLM), "qwen2": (Qwen2ForCausalLM, NSAQwen2ForCausalLM),
+          "mistral": (MistralForCausalLM, NSAMistralForCausalLM)}
+for _arch, _config in CONFIGS.items():  # what AutoConfig / AutoModelForCausalLM.from_pretrained resolve
+    AutoConfig.register(_config.model_type, _config, exist_ok=True)
+    AutoModelForCausalLM.register(_config, MODELS[_arch][1], exist_ok=True)
+
+
+def _as(config, cls):
+    """A copy of ``config`` as a ``cls`` (a dense config class and its NSA subclass share every field but
+    ``nsa``), its model_type the class's (a config read from a file holds the file's as an attribute)."""
+    new = copy.deepcopy(config)
+    new.__class__ = cls
+    new.__dict__.pop("model_type", None)
+    return new
+
+
+def dense_config(config):
+    """``(config of the dense architecture, NSA settings)``: for an NSA model type's config a copy as its dense
+    architecture's (``nsa_llama`` -> ``llama``) and its ``nsa``; for another config, itself and its ``nsa``
+    entry (a folder saved before the NSA model types), or None."""
+    if isinstance(config, tuple(CONFIGS.values())):
+        return _as(config, type(config).__mro__[1]), config.nsa
+    return config, getattr(config, "nsa", None)
+
+
+def use_backend(model, backend="reference", *, fallback=None, streams=True, decode="auto"):
+    """Every NSA layer of ``model`` on ``backend`` (``fallback``, ``streams`` as :class:`nsa.NSAAttention`'s) and
+    decoding as ``decode`` says (:data:`DECODE`): how a model loaded through the Auto classes, which build it on
+    the reference backend, runs on a GPU (``use_backend(model, "triton")``). Returns the model."""
+    if decode not in DECODE:
+        raise ValueError(f"use_backend: decode={decode!r}: one of {', '.join(DECODE)}")
+    layers = [m for m in model.modules() if isinstance(m, NSASelfAttention)]
+    if not layers:
+        raise ValueError(f"use_backend: {type(model).__name__} has no NSA layers (convert() it first)")
+    for m in layers:
+        m.nsa.backend, m.nsa.fallback, m.nsa.streams, m.decode, m._fused = backend, fallback, streams, decode, {}
+    return model
+
+
+def from_pretrained(path, *, backend="reference", fallback=None, streams=True, decode="auto", **kwargs):
+    """A model saved by ``save_pretrained`` after :func:`convert` (a local folder): NSA with the recorded
+    settings, every weight from its safetensors files, in eval mode, on ``backend`` (:func:`use_backend`'s
+    arguments). ``kwargs`` go to transformers' ``from_pretrained`` (``dtype``, ``device_map``, ...). Folders
+    saved with the dense model_type and an ``nsa`` entry in config.json load the same way."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path)
-    settings = getattr(config, "nsa", None)
-    if not isinstance(settings, dict):
-        raise ValueError(f"{path}: config.json has no 'nsa' settings (not saved from a converted model); load it "
-                         "with transformers and convert() it")
-    model = AutoModelForCausalLM.from_config(config)
-    if _dtype(config) is not None:
-        model.to(_dtype(config))
-    _convert(model, settings, backend, fallback, streams, decode, copy_weights=False)
-    state = _state_dict(path)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {id(params[k]) for k in state if k in params}
-    untied = [k for k in missing if id(params.get(k)) not in loaded]  # a tied weight is loaded through its twin
-    if unexpected or untied:
-        raise ValueError(f"{path}: the weights do not match the converted model (missing {untied}, unexpected "
-                         f"{sorted(unexpected)})")
-    if (path / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    return model.eval()
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such folder; hf.from_pretrained loads a folder written by save_pretrained")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path}: no config.json (a folder written by save_pretrained)")
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(path)
+    if not isinstance(config, tuple(CONFIGS.values())):
+        settings = getattr(config, "nsa", None)
+        if not isinstance(settings, dict):
+            raise ValueError(f"{path}: config.json has no 'nsa' settings (not saved from a converted model); load it "
+                             "with transformers and convert() it")
+        if config.model_type not in CONFIGS:
+            raise ValueError(f"{path}: model_type {config.model_type!r} is not supported; supported: "
+                             f"{', '.join(ARCHITECTURES)}")
+        config = _as(config, CONFIGS[config.model_type])
+    model, info = MODELS[config.model_type.removeprefix("nsa_")][1].from_pretrained(
+        path, config=config, output_loading_info=True, **kwargs)
+    if info["missing_keys"] or info["unexpected_keys"] or info.get("mismatched_keys"):
+        raise ValueError(f"{path}: the weights do not match the converted model (missing "
+                         f"{sorted(info['missing_keys'])}, unexpected {sorted(info['unexpected_keys'])}, mismatched "
+                         f"{sorted(k for k, *_ in info.get('mismatched_keys') or [])})")
+    return use_backend(model, backend, fallback=fallback, streams=streams, decode=decode).eval()
