@@ -9,8 +9,8 @@ The model (``generate.lm``: llama, qwen2 or mistral, random init, built offline 
 takes its attention shape from ``model.nsa`` (``dim`` = hidden_size, heads, key/value heads, ``d_k`` = ``d_v`` =
 head_dim, ``rope_base`` = rope_theta) and its body from ``generate.lm`` (layers, MLP width, vocabulary);
 ``attention=nsa`` converts it with the rest of ``model.nsa`` as the NSA settings, on the run's backend plan, each
-new token run as ``generate.decode`` says (``nsa.integrations.hf.DECODE``; ``auto``: one CUDA graph of the fused
-decode step per layer on a GPU, the layer's own cached forward on a CPU; tag ``decode_ran``);
+new token run as ``generate.decode`` says (``nsa.integrations.hf.DECODE``; ``auto``: one CUDA graph of the whole
+model's decode step on a GPU, the layer's own cached forward on a CPU; tag ``decode_ran``);
 ``attention=dense`` runs it as transformers has it (SDPA, its DynamicCache). The prompt: ``seq`` random token ids
 (``generate.batch`` rows); ``generate.new_tokens`` tokens greedy (``min_new_tokens`` = ``max_new_tokens``). An NSA
 model's cache (one ``NSACache`` per layer) is made for prompt + new tokens before the calls, so no step grows it,
@@ -34,7 +34,6 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from nsa.decode import DECODE_PATHS as DECODE
 from nsa.numerics import DTYPES
 
 from .framework import Charts, Job, Result, check_memory, launch, run_job
@@ -42,7 +41,10 @@ from .framework import Charts, Job, Result, check_memory, launch, run_job
 log = logging.getLogger("experiments.generate")
 ARCHS = ("llama", "qwen2", "mistral")
 KINDS = ("nsa", "dense")
-DECODE_SAYS = {"graph": "one CUDA graph of the fused decode step per layer (GraphDecoder.replay)",
+DECODE = ("auto", "model_graph", "model_step", "graph", "step", "module")  # hf.DECODE, checked without the hf extra
+DECODE_SAYS = {"model_graph": "one CUDA graph of the whole model's decode step (nsa.integrations.hf_graph.ModelStep)",
+               "model_step": "the whole model's decode step eager, each layer's the fused decode kernels",
+               "graph": "one CUDA graph of the fused decode step per layer (GraphDecoder.replay)",
                "step": "the fused decode kernels, eager (GraphDecoder.step)",
                "module": "the layer's own cached forward (NSAAttention.forward(x_t, cache))"}
 

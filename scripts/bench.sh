@@ -51,7 +51,7 @@ diag|scripts/gpu_diag.py sel, compile and varlen
 cp-parity|torchrun experiments.parity parallel.cp=NGPU (default 2) at PARITY_SEQ (default 131072) against one device
 cp-prefill|torchrun experiments.prefill parallel.cp=NGPU at CP_SEQS (default "131072 262144 524288"), one job each
 cp-one|experiments.prefill on one GPU at ONE_SEQS (default "131072 262144 524288"): the context-parallel baseline
-hf-generate|experiments.generate: a 336M-parameter transformers Llama (random init) generating GEN_TOKENS (default 64) tokens after GEN_SEQS (default 8k..64k) of context, NSA (backend=triton) and dense (SDPA), one sweep; then the NSA model'"'"'s tokens against backend=reference (float32, 256 + 32 tokens), and the compiled tests of generate'"'"'s decode paths (tests/test_hf_gpu.py)
+hf-generate|experiments.generate: a 336M-parameter transformers Llama (random init) generating GEN_TOKENS (default 64) tokens after GEN_SEQS (default 8k..64k) of context, NSA (backend=triton, decode auto) and dense (SDPA), one sweep, and NSA on GEN_DECODES (e.g. graph,model_step: the same sweep on those decode paths) where set; then the NSA model'"'"'s tokens against backend=reference (float32, 256 + 32 tokens), and the compiled tests of generate'"'"'s decode paths (tests/test_hf_gpu.py)
 cp-slurm|the SLURM per_gpu launcher from the .deb files carried in .debs: the README'"'"'s prefill sweep over SLURM_SEQS'
 
 step_names() { cut -d'|' -f1 <<<"$STEPS_TABLE"; }
@@ -350,6 +350,9 @@ step_hf_generate() {
     || { echo "hf-generate: needs transformers >=5.17,<6, the [hf] extra (the wheelhouse's --hf: python scripts/wheelhouse.py --dest .whl --hf)"; return; }
   run "${T_GEN:-360}" generate "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton generate.check_tokens=false \
     generate.new_tokens="${GEN_TOKENS:-64}" -m seq="${GEN_SEQS:-8192,16384,32768,65536}" attention=nsa,dense
+  [ -n "${GEN_DECODES:-}" ] && run "${T_GEN:-360}" generate "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton \
+    generate.check_tokens=false generate.new_tokens="${GEN_TOKENS:-64}" -m seq="${GEN_SEQS:-8192,16384,32768,65536}" attention=nsa \
+    generate.decode="$GEN_DECODES"
   run "${T_CHECK:-300}" generate_check "$PWD" python3 -- -m experiments.generate hardware="$HW" backend=triton attention=nsa \
     seq=256 generate.new_tokens=32
   $PRINT || grep -h "token check\|\] equal: " "$OUT/log.txt" | tail -n 2

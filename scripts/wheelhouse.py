@@ -86,7 +86,10 @@ HF_HOST_KEEPS = [
     "numpy", "packaging", "pyyaml", "tqdm", "typing-extensions", "filelock", "fsspec", "certifi", "typer", "rich",
     "pygments", "markdown-it-py", "mdurl", "shellingham", "annotated-doc", "pydantic", "pydantic-core",
     "typing-inspection", "annotated-types", "colorama",
+    # accelerate's and peft's torch, and torch's own closure (nvidia-* and cuda-* too: HF_HOST_PREFIXES)
+    "torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "setuptools",
 ]
+HF_HOST_PREFIXES = ("nvidia-", "cuda-")  # the host's CUDA libraries (its torch's), never carried
 
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]
@@ -175,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             closure[norm(n)] = v
     if hf_roots:  # transformers 5 needs newer versions than a host's: carry its closure (less HF_HOST_KEEPS)
         keeps = {norm(n) for n in HF_HOST_KEEPS}
-        skip -= {n for n in resolve(args.python_version, hf_roots) if n not in keeps}
-    wanted = {n: v for n, v in sorted(closure.items()) if n not in skip}
+        skip -= {n for n in resolve(args.python_version, hf_roots) if n not in keeps and not n.startswith(HF_HOST_PREFIXES)}
+    wanted = {n: v for n, v in sorted(closure.items()) if n not in skip and not n.startswith(HF_HOST_PREFIXES)}
 
     # Drop wheels from an earlier build that are not wanted now (one version of each package only).
     keep_prefixes = {n.replace("-", "_") for n in wanted} | {norm(s.split("==")[0]).replace("-", "_")

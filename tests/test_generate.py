@@ -68,7 +68,7 @@ def test_the_documented_cpu_sweep_runs_nsa_and_dense_with_their_metrics(tmp_path
     ("generate.lm.arch=gpt2", "generate.lm.arch='gpt2': one of llama, qwen2, mistral"),
     ("attention=window", "attention=window: experiments.generate runs attention=nsa or attention=dense"),
     ("generate.check_dtype=float8", "generate.check_dtype='float8': one of"),
-    ("generate.decode=cuda", "generate.decode='cuda': one of auto, graph, step, module"),
+    ("generate.decode=cuda", "generate.decode='cuda': one of auto, model_graph, model_step, graph, step, module"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key_exit_2_and_no_run(arg, says, tmp_path, template):
     rc, out, err = entrypoints.wait(entrypoints.start(tmp_path, "generate", *TINY, arg, template=template), timeout=300)
@@ -197,3 +197,9 @@ def test_the_token_check_on_the_triton_kernels_equals_the_reference():
     metrics, tags, failure = generate.token_check(job)
     assert failure is None and metrics["tokens_equal"] == 1.0, tags
     assert 0 < metrics["max_logit_diff"] < 1e-4  # the kernels' float32 rounding, not the reference's float64
+
+
+def test_generate_decode_values_are_the_integration_s():
+    """generate.decode is checked before the hf extra is imported: its list is nsa.integrations.hf.DECODE."""
+    hf = pytest.importorskip("nsa.integrations.hf")
+    assert generate.DECODE == hf.DECODE and set(generate.DECODE_SAYS) == set(hf.DECODE) - {"auto"}

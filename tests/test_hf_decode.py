@@ -32,11 +32,12 @@ ARCHS = {  # Qwen2: q/k/v biases (the decoder's projection GEMM carries them); L
 TOL = 1e-4  # float32 logits of two kernels' summation orders (measured: ~1e-6)
 
 
-def pair(arch: str):
-    """The same weights converted twice: fused decode steps on triton, and the module path on reference."""
+def pair(arch: str, decode: str = "step"):
+    """The same weights converted twice: fused decode steps on triton (each layer's, or the whole model's:
+    decode="model_step"), and the module path on reference."""
     torch.manual_seed(0)
     src = ARCHS[arch]().float().eval()
-    step = hf.convert(ARCHS[arch]().float().eval(), backend="triton", decode="step", **SETTINGS)
+    step = hf.convert(ARCHS[arch]().float().eval(), backend="triton", decode=decode, **SETTINGS)
     ref = hf.convert(src, backend="reference", decode="module", **SETTINGS)
     step.load_state_dict(ref.state_dict())
     return step, ref
@@ -59,31 +60,34 @@ def greedy(model, prompt, new):
         return model.generate(prompt, **kw)
 
 
+@pytest.mark.parametrize("decode", ["step", "model_step"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_generate_on_the_fused_decode_step_equals_the_module_path(arch, monkeypatch):
+def test_generate_on_the_fused_decode_step_equals_the_module_path(arch, decode, monkeypatch):
     """37-token prompt, 16 tokens: the compressed blocks complete every 4 tokens, the top-n chooses among 5-7
-    blocks, and the cache (capacity in steps of 16 here: 48) grows at token 49, which makes a new decoder."""
+    blocks, and the cache (capacity in steps of 16 here: 48) grows at token 49, which makes a new decoder (and
+    for model_step a new step of the whole model: the model's forward grows the cache at that token)."""
     monkeypatch.setattr(hf_cache, "_GROW", 16)
     made = []
     orig = GraphDecoder.__init__
     monkeypatch.setattr(GraphDecoder, "__init__", lambda self, *a, **k: made.append(1) or orig(self, *a, **k))
-    step, ref = pair(arch)
+    step, ref = pair(arch, decode)
     prompt = ids()
     got, want = greedy(step, prompt, 16), greedy(ref, prompt, 16)
     assert torch.equal(got.sequences, want.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
     assert diff <= TOL, diff
-    assert {m.self_attn.decode_ran for m in step.model.layers} == {"step"}
+    assert {m.self_attn.decode_ran for m in step.model.layers} == {decode}
     assert {m.self_attn.decode_ran for m in ref.model.layers} == {"module"}
     assert len(made) == 2 * 2  # two layers: at the first token (capacity 48), again after the growth to 96
     cache = getattr(got, "cache", None) or got.past_key_values
     assert cache.layers[0].nsa_cache.max_len == 96 and cache.layers[0].nsa_cache.length == 37 + 16 - 1
 
 
-def test_crop_and_beam_reorder_on_the_fused_decode_step():
+@pytest.mark.parametrize("decode", ["step", "model_step"])
+def test_crop_and_beam_reorder_on_the_fused_decode_step(decode):
     """A crop moves the positions under the decoder (it reads them back); a beam reorder makes new buffers (a new
     decoder): the next tokens still equal the module path's."""
-    step, ref = pair("llama")
+    step, ref = pair("llama", decode)
     x = ids(B=2, T=33)
     perm = torch.tensor([1, 0])
     out = []
@@ -98,7 +102,7 @@ def test_crop_and_beam_reorder_on_the_fused_decode_step():
             ys += [cached(model, x[perm, t:t + 1], cache) for t in range(31, 33)]
         out.append(torch.cat(ys, 1))
         if model is step:
-            assert step.model.layers[0].self_attn.decode_ran == "step"
+            assert step.model.layers[0].self_attn.decode_ran == decode
     assert (out[0] - out[1]).abs().max().item() <= TOL
     with torch.no_grad():
         full = ref(x).logits
@@ -111,7 +115,8 @@ def test_auto_is_the_module_path_on_a_cpu_and_bad_values_are_refused():
     assert {m.self_attn.decode for m in model.model.layers} == {"auto"}
     greedy(model, ids(B=1, T=20), 2)
     assert {m.self_attn.decode_ran for m in model.model.layers} == {"module"}
-    with pytest.raises(ValueError, match=r"^convert: decode='cuda': one of auto, graph, step, module$"):
+    with pytest.raises(ValueError, match=r"^convert: decode='cuda': one of auto, model_graph, model_step, graph, step, "
+                                         r"module$"):
         hf.convert(ARCHS["llama"](), decode="cuda", **SETTINGS)
     step = hf.convert(ARCHS["llama"]().float(), backend="triton", decode="step", **SETTINGS)
     cache = transformers.DynamicCache(config=step.config)
@@ -119,3 +124,10 @@ def test_auto_is_the_module_path_on_a_cpu_and_bad_values_are_refused():
     cached(step, x[:, :20], cache)
     with pytest.raises(ValueError, match=r"^decode='step': GraphDecoder's step records no gradient"):
         cached(step, x[:, 20:], cache)
+    for decode, pattern in [("model_step", r"^decode='model_step': the model's step records no gradient; run under "
+                                           r"torch\.no_grad\(\)"),
+                            ("model_graph", r"^decode='model_graph': CUDA graphs need a CUDA device; "
+                                            r"decode='model_step' runs the same step eager$")]:
+        hf.use_backend(step, "triton", decode=decode)
+        with pytest.raises(ValueError, match=pattern), torch.set_grad_enabled(decode == "model_step"):
+            cached(step, x[:, 20:], cache)

@@ -123,13 +123,15 @@ def test_right_padded_training_forward_is_each_row_s_own(arch):
 
 @pytest.mark.skipif(triton_unsupported() is not None, reason=triton_unsupported() or "")
 @pytest.mark.usefixtures("fast_interpreter")
-def test_left_padded_generate_on_the_fused_decode_step_equals_the_module_path():
-    """The ragged cache of a padded prompt under GraphDecoder's step (Triton through the interpreter, float32)."""
-    step = converted("qwen2", torch.float32, backend="triton", decode="step")
+@pytest.mark.parametrize("decode", ["step", "model_step"])
+def test_left_padded_generate_on_the_fused_decode_step_equals_the_module_path(decode):
+    """The ragged cache of a padded prompt under GraphDecoder's step, each layer's or the whole model's (Triton
+    through the interpreter, float32)."""
+    step = converted("qwen2", torch.float32, backend="triton", decode=decode)
     ref = converted("qwen2", torch.float32, decode="module")
     step.load_state_dict(ref.state_dict())
     x, mask = padded(prompts(), "left")
     a, b = generate(step, x, mask), generate(ref, x, mask)
     assert torch.equal(a.sequences, b.sequences)
     assert max((p - q).abs().max().item() for p, q in zip(a.logits, b.logits)) <= 1e-4
-    assert {m.decode_ran for m in step.modules() if isinstance(m, hf.NSASelfAttention)} == {"step"}
+    assert {m.decode_ran for m in step.modules() if isinstance(m, hf.NSASelfAttention)} == {decode}

@@ -40,6 +40,7 @@ type), on the reference backend: :func:`use_backend` moves it to another.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -49,6 +50,7 @@ from torch import nn
 try:
     from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # the [hf] extra is not installed: say which, in one line
     raise ImportError(f"nsa.integrations.hf needs transformers, the hf extra: pip install -e '.[hf]' ({e})") from None
 
@@ -57,14 +59,17 @@ from ..config import NSAConfig
 from ..decode import DECODE_PATHS
 from ..module import NSAAttention
 from .hf_cache import BUFFERS, NSACacheLayer, cache_layer
+from .hf_graph import MODEL_PATHS, ModelStep, slots_for, step_key
 
 __all__ = ["ARCHITECTURES", "BUFFERS", "DECODE", "NSACacheLayer", "NSASelfAttention", "SETTINGS", "cache_layer", "convert",
            "dense_config", "from_pretrained", "nsa_config", "use_backend"]
 ARCHITECTURES = ("llama", "qwen2", "mistral")  # the dense models' config.model_type
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"  # 5.24 renamed it
 # NSAConfig fields the model fixes (convert reads them from it); the others are the NSA settings.
 FROM_MODEL = ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "rope_base", "qkv_bias", "o_bias")
 SETTINGS = tuple(f.name for f in fields(NSAConfig) if f.name not in FROM_MODEL)
-DECODE = DECODE_PATHS  # how a cached layer runs one new token (the module docstring)
+DECODE = ("auto", *MODEL_PATHS, *DECODE_PATHS[1:])  # how a model runs each new token (the module docstring)
+LAYER_PATH = {"model_graph": "graph", "model_step": "step"}  # a layer's own path where the model's step does not apply
 
 
 def fused_decode(backend, device: torch.device, dtype: torch.dtype) -> bool:
@@ -104,13 +109,14 @@ class NSASelfAttention(nn.Module):
             raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE)}")
         self.layer_idx, self.decode, self.batch = layer_idx, decode, batch or Batch()
         self.decode_ran: str | None = None  # how the last single cached token ran (DECODE's names; None: none yet)
+        self.graph_step = None  # set by hf_graph.ModelStep while it runs the model: this layer's decoder step
         self._fused: dict = {}  # (backend, device, dtype) -> fused_decode's answer, asked once, not per token
         self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
 
     def decode_path(self, x: torch.Tensor) -> str:
         """How a single cached token ``x`` runs: ``decode`` with ``auto`` resolved (the module docstring)."""
         if self.decode != "auto":
-            return self.decode
+            return LAYER_PATH.get(self.decode, self.decode)
         if x.device.type != "cuda" or torch.is_grad_enabled():  # the decoder's step records no gradient
             return "module"
         key = (repr(self.nsa.backend), x.device, x.dtype)
@@ -122,6 +128,8 @@ class NSASelfAttention(nn.Module):
                 cache=None, **kwargs):
         """transformers' attention call: ``(NSA's output, None)``; with a cache, the tokens are appended to this
         layer's :class:`NSACacheLayer` and attend to those before them."""
+        if self.graph_step is not None:
+            return self.graph_step(hidden_states), None
         kv = cache if cache is not None else past_key_values  # transformers 5.24 renamed it `cache`
         if self.batch.real is not None:
             return self._padded(hidden_states, kv), None
@@ -379,16 +387,72 @@ class _NSAModel:
         _convert(self, dict(config.nsa), "reference", None, copy_weights=False)
 
 
+def _forward(dense_cls):
+    """``dense_cls.forward``, or, for a decode token where it applies, the whole model's step
+    (:mod:`nsa.integrations.hf_graph`: ``decode`` model_graph / model_step, or auto on a CUDA device whose backend
+    has fused decode kernels). It keeps the dense forward's signature, which ``generate`` reads to choose what it
+    passes (the attention mask among them)."""
+
+    @functools.wraps(dense_cls.forward)
+    def forward(self, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = args[0] if args else kwargs.get("input_ids")
+        path = None if len(args) > 1 else _model_path(self, ids, cache, kwargs)
+        if path is None:
+            return dense_cls.forward(self, *args, **kwargs)
+        slots = slots_for(cache, len(self.base_model.layers))
+        step = getattr(cache, "_nsa_model_step", None)
+        if step is None or step.model is not self or step.key != step_key(slots) or step.graph != (path == "model_graph"):
+            step = cache._nsa_model_step = ModelStep(self, slots, graph=path == "model_graph")
+        for layer in step.layers:
+            layer.decode_ran = path
+        return CausalLMOutputWithPast(logits=step(ids), **{CACHE_FIELD: cache})
+
+    return forward
+
+
+def _model_path(model, ids, cache, kwargs) -> str | None:
+    """How ``model(ids, cache, **kwargs)`` runs as the whole model's step (MODEL_PATHS), or None: transformers'
+    forward (a prompt, a chunk, outputs the step does not give, gradients, a cache without room)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or cache is None:
+        return None
+    if any(kwargs.get(k) is not None for k in ("inputs_embeds", "labels")) or \
+            any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states")):
+        return None
+    layers = [layer.self_attn for layer in model.base_model.layers]
+    decode = layers[0].decode
+    if decode == "auto":
+        like = torch.empty(0, device=ids.device, dtype=layers[0].nsa.q_proj.weight.dtype)  # the hidden states'
+        if ids.device.type != "cuda" or torch.is_grad_enabled() or layers[0].decode_path(like) != "graph":
+            return None
+        decode = "model_graph"
+    if decode not in MODEL_PATHS:
+        return None
+    if torch.is_grad_enabled():
+        raise ValueError(f"decode={decode!r}: the model's step records no gradient; run under torch.no_grad() "
+                         "(generate does) or convert with decode='module'")
+    if decode == "model_graph" and ids.device.type != "cuda":
+        raise ValueError("decode='model_graph': CUDA graphs need a CUDA device; decode='model_step' runs the same "
+                         "step eager")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask[:, -1].all()):
+        return None  # a masked new token: the model's forward refuses it in one line
+    return decode if slots_for(cache, len(layers)) is not None else None
+
+
 class NSALlamaForCausalLM(_NSAModel, LlamaForCausalLM):
     config_class = NSALlamaConfig
+    forward = _forward(LlamaForCausalLM)
 
 
 class NSAQwen2ForCausalLM(_NSAModel, Qwen2ForCausalLM):
     config_class = NSAQwen2Config
+    forward = _forward(Qwen2ForCausalLM)
 
 
 class NSAMistralForCausalLM(_NSAModel, MistralForCausalLM):
     config_class = NSAMistralConfig
+    forward = _forward(MistralForCausalLM)
 
 
 # dense model_type -> the NSA config class; -> (the dense causal LM class, its NSA subclass)

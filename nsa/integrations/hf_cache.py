@@ -64,15 +64,19 @@ class NSACacheLayer(CacheLayerMixin):
             new.lengths = old.lengths
         self.nsa_cache, self.is_initialized, self.decoder = new, True, None
 
-    def _step(self, layer: NSAAttention, x: torch.Tensor, graph: bool) -> torch.Tensor:
-        """One token through the layer's :class:`nsa.decode.GraphDecoder` over this cache (made, and its step
-        captured, at the first token after a prefill or a growth); positions moved by others (``crop``,
-        ``reset``, a chunk through the module) are read back first."""
+    def decoder_for(self, layer: NSAAttention) -> GraphDecoder:
+        """The :class:`nsa.decode.GraphDecoder` over this slot's cache (made at the first token after a prefill
+        or a growth); positions moved by others (``crop``, ``reset``, a chunk through the module) read back."""
         dec = self.decoder
         if dec is None or dec.module is not layer:
             dec = self.decoder = GraphDecoder(layer, self.nsa_cache)
         elif dec.moved():
             dec.sync_position()
+        return dec
+
+    def _step(self, layer: NSAAttention, x: torch.Tensor, graph: bool) -> torch.Tensor:
+        """One token through the layer's decoder: its eager step, or its captured step replayed."""
+        dec = self.decoder_for(layer)
         if not graph:
             return dec.step(x)
         if not dec.captured:
