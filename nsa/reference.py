@@ -290,7 +290,7 @@ def _gather_tokens(x, tok):
 
     ``index_select`` over x's (b, s, h) rows: the values of advanced indexing ``x[b, tok, h]``, and in
     backward the same sums in the same order, but ``index_add_`` instead of ``index_put_`` with
-    accumulation, which on the CPU took most of a training step's time (BENCHMARKS.md, issue 29)."""
+    accumulation, which on the CPU took most of a training step's time (BENCHMARKS.md)."""
     B, S, H, D = x.shape
     b = torch.arange(B, device=x.device)[:, None, None, None]
     h = torch.arange(H, device=x.device)[None, None, :, None]

@@ -1,5 +1,5 @@
-"""Nothing a config value can make the experiments allocate beyond what the job needs (issue 45, item 1; the
-memory guard of issue 46), through the real CLI:
+"""Nothing a config value can make the experiments allocate beyond what the job needs (the
+memory guard among them), through the real CLI:
 
 * n_sel and l_sel far beyond the blocks and tokens of the sequence cost what the sequence has: each run below
   FINISHES in a process whose address space is capped at 6 GiB (before the bound the decode and prefill
@@ -107,7 +107,7 @@ def _available_gib() -> float:
 
 @pytest.mark.skipif(_available_gib() > 140, reason="the paper model's decode at 1M tokens (146 GiB) fits this host")
 def test_the_paper_model_at_1m_tokens_is_refused_on_a_smaller_host(tmp_path):
-    """Issue 46's command: on a CPU the dense baseline's SDPA (math kernel: d_k != d_v) repeats the keys and
+    """A command that ran out of memory: on a CPU the dense baseline's SDPA (math kernel: d_k != d_v) repeats the keys and
     values to all 64 query heads, 129 GiB at 1M tokens; with the cache about 146 GiB."""
     line, took = _refused(tmp_path, "model=paper", "seq=1048576")
     assert "dense 129 GiB" in line and "free on this host" in line, line

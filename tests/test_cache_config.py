@@ -1,4 +1,4 @@
-"""A cache made for a layer of another config (issue 45, item 8): the layer refuses it with one ValueError
+"""A cache made for a layer of another config: the layer refuses it with one ValueError
 line naming the buffer and the config's fields, for a prefill chunk, a decode step and nsa.decode.GraphDecoder,
 where before a torch RuntimeError (a shape mismatch in a copy) came from inside the write."""
 from __future__ import annotations

@@ -62,14 +62,14 @@ def test_precheck_rejects_unknown_group_options(capsys):
 ONE_LINE = {
     "typo_key": ("decode", ["sqe=512"], ["sqe=512: the decode config has no key 'sqe'; did you mean seq"]),
     "typo_key_in_sweep": ("decode", ["-m", "sqe=1,2"], ["'sqe'", "did you mean seq"]),
-    # Hydra's own hint for a typo was "+sqe=512", which appended the key and ran seq's default (issue 31)
+    # Hydra's own hint for a typo was "+sqe=512", which appended the key and ran seq's default
     "typo_key_appended": ("decode", ["+sequence=512"], ["the decode config has no key 'sequence'; did you mean seq"]),
     "typo_key_forced": ("decode", ["++sequence=512"], ["no key 'sequence'"]),
     "typo_nested_key": ("decode", ["decode.per_brnch=false"], ["no key 'decode.per_brnch'", "decode.per_branch"]),
     "bad_syntax": ("decode", ["seq=[1,2"], ["seq=[1,2"]),
     "list_without_m": ("decode", ["seq=64,128"], ["add -m"]),
     "negative_memory_limit": ("decode", ["limits.max_memory_gib=-1"], ["limits.max_memory_gib=-1", "> 0"]),
-    # decode.batch is ${model.batch}: the error names the key typed (issue 46)
+    # decode.batch is ${model.batch}: the error names the key typed
     "interpolated_key": ("decode", ["hardware=cpu", "seq=64", "model.batch=-1"], ["config error: model.batch=-1: must be"]),
     # a sweep's size is bounded before any list or product is built
     "sweep_too_long": ("decode", ["hardware=cpu", "-m", "seq=range(1,1000000000)"],
@@ -84,7 +84,7 @@ STORE_DOWN = {
     "server_down": (["tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "Connection refused"]),
     "server_down_sweep": (["-m", "seq=64,128", "tracking.uri=http://127.0.0.1:9"], ["http://127.0.0.1:9", "refused"]),
     "sqlite_unwritable": (["tracking.uri=sqlite:////proc/nsa-bench.db"], ["sqlite:////proc/nsa-bench.db", "/proc"]),
-    # MLflow's whole message, its fix included (it was cut at 300 characters, before the fix: issue 31)
+    # MLflow's whole message, its fix included (not cut at 300 characters, before the fix)
     "file_store": (["tracking.uri=file:///tmp/nsa-bench-mlruns"], ["file:///tmp/nsa-bench-mlruns", "migrate-filestore",
                                                                     "MLFLOW_ALLOW_FILE_STORE=true"]),
 }
@@ -229,7 +229,7 @@ def test_card_command_elsewhere_stops_with_the_profile_mismatch(cli_runs):
 
 
 # A GPU profile forced onto this CPU (hardware.strict=false): the timed entry points refuse it in one line,
-# single runs and sweeps alike, before the GPU backends' availability is looked at (issue 32).
+# single runs and sweeps alike, before the GPU backends' availability is looked at.
 GPU_PROFILE_ON_CPU = {
     "decode": ("decode", ["hardware=rtx4090", "hardware.strict=false"]),
     "kernels_sweep": ("kernels", ["hardware=h100", "hardware.strict=false", "model=tiny", "-m", "seq=64,128"]),

@@ -1,4 +1,4 @@
-"""Names and messages a user reads, through the real CLI (issue 46): ``backend=sdpa``'s meaning (its
+"""Names and messages a user reads, through the real CLI: ``backend=sdpa``'s meaning (its
 --help, its run's record, its one-line refusal on a CPU, naming what the user typed), job folders named by
 what differs between a sweep's jobs, and parent runs that tell ``hardware=cpu`` from ``hardware=auto``."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``torch.compile(fullgraph=True)`` of the NSA layer (issue 32), on CPU: forward and backward of the compiled
+"""``torch.compile(fullgraph=True)`` of the NSA layer, on CPU: forward and backward of the compiled
 module equal eager (output, every parameter's gradient and the input's) with the reference backend and with
 the triton backend (its kernels through Triton's interpreter, float32), and every triton custom op
 (``nsa::*``) passes ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch).

@@ -38,7 +38,7 @@ def test_base_config_is_valid():
     (dict(rope_base=float("nan")), "rope_base"),
     (dict(rope_base=None), "rope_base"),  # was a TypeError before the fix in nsa/config.py
     (dict(rope_base="1e4"), "rope_base"),
-    (dict(rope_base=float("inf")), "rope_base"),  # accepted before: RoPE then rotates nothing (issue 31)
+    (dict(rope_base=float("inf")), "rope_base"),  # accepted before: RoPE then rotates nothing
     (dict(n_init=-1), "n_init"),
     (dict(n_local=-1), "n_local"),
     (dict(gate_hidden=-1), "gate_hidden"),
@@ -141,7 +141,7 @@ def test_nsa_attention_bad_argument_names_it(inputs, name, make, match):
 
 @pytest.mark.parametrize("scale", [float("nan"), -0.5, 0.0, float("inf"), True, "0.1"])
 def test_bad_scale_names_it(inputs, scale):
-    """Accepted before (issue 31): nan and negative scales gave NaN or inverted attention silently."""
+    """Refused: nan and negative scales gave NaN or inverted attention silently."""
     c, x = inputs
     with pytest.raises(ValueError, match=r"scale=.*: must be a positive finite number"):
         fn.nsa_attention(*(x[a] for a in ARG_ORDER), c, scale=scale)
@@ -272,7 +272,7 @@ def test_module_bad_inputs():
     assert cache.length == 0
     with pytest.raises(ValueError, match="cache: device/dtype"):
         layer(torch.zeros(2, 3, 16, dtype=torch.float64), layer.new_cache(2, 10, dtype=torch.float32))
-    # a float32 input to a float64 layer: named, not torch's raw matmul error (issue 31)
+    # a float32 input to a float64 layer: named, not torch's raw matmul error
     with pytest.raises(ValueError, match="x: dtype float32 differs from the layer's float64"):
         layer(torch.zeros(1, 5, 16, dtype=torch.float32))
     with pytest.raises(ValueError, match="batch_size"):

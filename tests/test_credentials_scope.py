@@ -1,4 +1,4 @@
-"""A login goes only to the server it belongs to (issue 45, item 2), through the real CLI against a listener on
+"""A login goes only to the server it belongs to, through the real CLI against a listener on
 127.0.0.1 that records each request's Authorization header (a thread of this test, answering 503; stopped
 at the end): ``tracking.credentials`` (MLflow's credentials-file format with ``mlflow_tracking_uri``, as
 scripts/cluster.sh writes it) sends its login to that URI's server, and nothing to another

@@ -1,4 +1,4 @@
-"""experiments.decode with ``decode.ragged=true`` (issue 27): each sequence of the batch at its own context
+"""experiments.decode with ``decode.ragged=true``: each sequence of the batch at its own context
 length L_b in [seq/2, seq] (from ``seed``), the step of row b at position L_b - 1 over L_b keys.
 
 Through the real CLI into a temporary store: the run finishes, its lengths are logged, in range, the same

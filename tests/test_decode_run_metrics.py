@@ -1,5 +1,5 @@
 """A single experiments.decode run (not a sweep) logs what each variant's step reads and its HBM floor as
-metrics on its own run, the values of its CSV rows (issue 46: only the sweep's parent charts had them)."""
+metrics on its own run, the values of its CSV rows (not only on the sweep's parent charts)."""
 from __future__ import annotations
 
 import csv

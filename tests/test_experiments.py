@@ -223,7 +223,7 @@ def test_prefill_dense_variants():
 
 
 def test_sweep_first_look_in_mlflow(runs):
-    """What the MLflow UI shows first (issue 18 item 5), and the job logs and timings (items 6, 8)."""
+    """What the MLflow UI shows first , and the job logs and timings."""
     import re
 
     tmp, rc, out, err = runs["sweep"]

@@ -12,7 +12,8 @@ a small tree of its own:
   another directory;
 * one definition of the dtype table and of the config flattener;
 * Triton kernels are launched with keyword arguments only;
-* every public function of nsa/ has a docstring, the Backend protocol's with Arguments and Returns.
+* every public function of nsa/ has a docstring, the Backend protocol's with Arguments and Returns;
+* no comment or docstring names an issue number (code, configs, scripts, tests).
 """
 from __future__ import annotations
 
@@ -345,3 +346,48 @@ def test_missing_docs_finds_functions_and_methods(tmp_path):
                                  'class C:\n    def m(self):\n        pass\n    @property\n    def p(self):\n'
                                  '        """Doc."""\n    @p.setter\n    def p(self, v):\n        pass\n'})
     assert missing_docs(module_files(("pkg",), tmp_path), tmp_path) == ["pkg/a.py:1: f", "pkg/a.py:8: C.m"]
+
+
+# Comments and docstrings say what and why; which issue asked for a change is the commit's story, not the code's.
+ISSUE = re.compile(r"\bissues? ?#?\d+", re.I)
+NOTE_GLOBS = ("nsa/**/*.py", "experiments/**/*.py", "hydra_plugins/**/*.py", "scripts/**/*.py", "tests/**/*.py",
+              "noxfile.py", "conf/**/*.yaml", "scripts/**/*.sh", ".ci/run")
+
+
+def issue_notes(root: Path = REPO, globs=NOTE_GLOBS) -> list[str]:
+    """``path:line: text`` of each comment or docstring (Python) and each ``#`` comment (YAML, shell) naming an
+    issue number."""
+    import io
+    import tokenize
+
+    out = []
+    for pattern in globs:
+        for path in sorted(root.glob(pattern)):
+            text, rel = path.read_text(), path.relative_to(root)
+            if path.suffix != ".py":
+                out += [f"{rel}:{i}: {ln.strip()}" for i, ln in enumerate(text.splitlines(), 1)
+                        if "#" in ln and ISSUE.search(ln[ln.index("#"):])]
+                continue
+            notes = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                     if t.type == tokenize.COMMENT]
+            for node in ast.walk(ast.parse(text, str(path))):
+                body = getattr(node, "body", None)
+                if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                    notes.append((body[0].lineno, body[0].value.value))
+            out += [f"{rel}:{line}: {note.strip().splitlines()[0][:80]}" for line, note in sorted(notes)
+                    if ISSUE.search(note)]
+    return out
+
+
+def test_no_comment_or_docstring_names_an_issue():
+    assert issue_notes() == []
+
+
+def test_issue_notes_finds_comments_docstrings_and_yaml(tmp_path):
+    write(tmp_path, {"pkg/a.py": '"""The cache (issue 12)."""\nx = "issue 3 in a string is a value"  # see Issue #4\n'
+                                 'def f():\n    """Fixed for issues 5, 6."""\n',
+                     "conf/a.yaml": "a: 1  # issue 7\nb: 'issue 8'\n"})
+    assert issue_notes(tmp_path, ("pkg/*.py", "conf/*.yaml")) == [
+        "pkg/a.py:1: The cache (issue 12).", "pkg/a.py:2: # see Issue #4", "pkg/a.py:4: Fixed for issues 5, 6.",
+        "conf/a.yaml:1: a: 1  # issue 7"]

@@ -1,4 +1,4 @@
-"""Files that cannot be read or written, through the real CLI (issue 31): a corrupt checkpoint on resume,
+"""Files that cannot be read or written, through the real CLI: a corrupt checkpoint on resume,
 output folders that cannot be written, a full disk under a checkpoint, a sweep's outputs or the tracking
 store. Each ends in one line naming the path and the cause, with nothing left RUNNING and no temporary
 file behind.
@@ -56,7 +56,7 @@ def _all_runs(db: Path) -> list:
 
 
 # ================================================================================================
-# Item 3: a corrupt checkpoint on resume
+# A corrupt checkpoint on resume
 # ================================================================================================
 def test_corrupt_checkpoint_is_refused_in_one_line_and_the_run_left_as_it_was(tmp_path):
     rc, _out, err = wait(start(tmp_path, "train", *TRAIN, "train.time_limit_s=1e-9", name="run"))
@@ -86,7 +86,7 @@ def test_corrupt_checkpoint_is_refused_in_one_line_and_the_run_left_as_it_was(tm
 
 
 # ================================================================================================
-# Item 4: output folders that cannot be written
+# Output folders that cannot be written
 # ================================================================================================
 @pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
 def test_unwritable_output_folder_is_refused_before_any_run(tmp_path, tmpfs, key):
@@ -105,7 +105,7 @@ def test_unwritable_output_folder_is_refused_before_any_run(tmp_path, tmpfs, key
 
 
 # ================================================================================================
-# Item 5: a full disk
+# A full disk
 # ================================================================================================
 def _fill(folder: Path) -> None:
     """Fill folder's filesystem to the last byte."""

@@ -1,4 +1,4 @@
-"""Issue 29's ablations (experiments/lm/ablations.py) and the layer hook they use (``block_indices`` of
+"""The selection and gate ablations (experiments/lm/ablations.py) and the layer hook they use (``block_indices`` of
 nsa.functional.nsa_attention / NSAAttention.forward): explicit blocks equal to the layer's own top-n change
 nothing, others change the output; the oracle forces each answer's needle block, the full selection is the
 top-n of full attention's block mass (checked against a loop over rows), a branch subset is the gated sum of

@@ -1,4 +1,4 @@
-"""``train.compile`` on a CUDA GPU (issue 28): the training steps of ``train=needles32k``'s model (lm=small,
+"""``train.compile`` on a CUDA GPU: the training steps of ``train=needles32k``'s model (lm=small,
 NSA on the triton kernels, bf16 autocast) compiled by inductor, with and without CUDA graphs, give the eager
 run's losses. Same seed, same data: the runs differ only by rounding (inductor fuses the elementwise work
 around the kernels and rounds bf16 intermediates its own way, tests/test_compile_gpu.py), so each logged

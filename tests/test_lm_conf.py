@@ -102,7 +102,7 @@ def test_needles32k_preset(attention):
     assert len({t.vocab_size for _, t, _ in run.stages()}) == 1 and run.lm.attention_config().rope_base == 5e5
     main = run.stages()[-1][1]
     assert main.gap >= run.lm.n_layers * (run.lm.attention_config().w - 1)  # out of the window stack's reach
-    # the paper's architecture (a projection per branch, Eq. 7's MLP, free gates) with issue 42's recipe
+    # the paper's architecture (a projection per branch, Eq. 7's MLP, free gates) with the training recipe
     cfg = run.lm.attention_config()
     assert (cfg.shared_kv, cfg.phi, run.train.gates_open_steps) == (False, "mlp", 0)
     assert (cfg.l, cfg.d, cfg.l_sel, cfg.n_sel, cfg.w, cfg.G) == (32, 16, 64, 16, 512, 4)
@@ -140,7 +140,7 @@ def test_the_framework_validates_train_with_the_library():
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
 def test_needles_smoke_preset(attention):
     """train=needles_smoke: the CPU needle task on the reference backend, NSA the paper's architecture with
-    issue 42's recipe, the needles out of the window stack's reach so only NSA's long-range branches can
+    the training recipe, the needles out of the window stack's reach so only NSA's long-range branches can
     fetch them."""
     run = RunConfig.from_conf(compose_train("train=needles_smoke", f"attention={attention}"))
     assert run.attention == attention and run.lm.name == "smoke" and set(run.backend.values()) == {"reference"}

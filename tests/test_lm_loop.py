@@ -154,7 +154,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 
 def test_resume_accepts_a_checkpoint_written_before_the_new_lm_nsa_fields(tmp_path):
-    """A checkpoint whose config predates lm.nsa.gate_bias / shared_kv / phi_init (issue 29) resumes when they
+    """A checkpoint whose config predates lm.nsa.gate_bias / shared_kv / phi_init resumes when they
     are at their defaults (the same model); one of them set otherwise is still a difference, named."""
     cfg = run_config("train.steps=2", *TINY_RETRIEVAL)
     run(cfg, tmp_path)
@@ -207,7 +207,7 @@ def test_profile_needs_two_steps_a_window():
 def test_compile_wraps_the_training_steps_only(tmp_path, monkeypatch):
     """train.compile: the model is compiled once (the mode given, static shapes) and every training step runs
     the compiled model with dynamo set to fail at its recompile limit (not to fall back to eager);
-    evaluation runs the model itself. (A real compile: the GPU runs of BENCHMARKS.md, issue 28.)"""
+    evaluation runs the model itself. (A real compile: the GPU runs of BENCHMARKS.md.)"""
     calls, made = [], []
 
     def fake_compile(model, mode, dynamic):

@@ -1,4 +1,4 @@
-"""Issue 42's training recipe (experiments/lm/recipe.py): the selection loss against a computation through the
+"""The training recipe (experiments/lm/recipe.py): the selection loss against a computation through the
 layer's own compressed branch and the probes' full attention, where its gradient goes, the gates' learning rate,
 the rows it reads, its config errors through the real CLI, and a run that logs it."""
 from __future__ import annotations

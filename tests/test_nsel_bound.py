@@ -1,4 +1,4 @@
-"""n_sel larger than the selection blocks that exist (issue 31, item 2): the work and the index tensors are
+"""n_sel larger than the selection blocks that exist: the work and the index tensors are
 sized by the blocks (``NSAConfig.sel_count``), not by n_sel, on every backend, and the outputs equal those
 of n_sel = the number of blocks (Eq. 12 with fewer candidates than n_sel takes them all).
 

@@ -1,4 +1,4 @@
-"""A config value that becomes part of a path cannot leave the run's or the sweep's folder (issue 45, item 4),
+"""A config value that becomes part of a path cannot leave the run's or the sweep's folder,
 through the real CLI: ``tracking.experiment=x/../../../../ESCAPED`` names a train sweep's job folders (they
 are named by their overrides) and the experiment's artifact folder. Before, the jobs wrote into
 ``<sweep dir>/../../../ESCAPED,...`` (one folder for both, one job failed) and the artifacts into

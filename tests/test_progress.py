@@ -1,5 +1,5 @@
 """Long work shows its progress with the time left on a terminal, and elsewhere a log line at most every 30 s,
-none for shorter work (issues 46, 52), through the real CLI: a training run's steps, a sweep's jobs, validate's kernel tests
+none for shorter work, through the real CLI: a training run's steps, a sweep's jobs, validate's kernel tests
 (experiments/progress.py, tqdm). A
 pseudo-terminal (120 columns) stands for the user's terminal."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The resume line a stopped training run prints pastes back into a shell as printed (issue 45, item 6): its
+"""The resume line a stopped training run prints pastes back into a shell as printed: its
 ``hydra.run.dir=...`` is quoted for the shell and, where Hydra's grammar needs it (a comma would make a
 sweep), for Hydra. Before, ``hydra.run.dir=<d>/sp ace`` was printed bare: pasted, the shell split it in two
 and Hydra's parser failed. Through the real CLI and a real shell (bash -c)."""

@@ -1,4 +1,4 @@
-"""A tracking server that goes away while a run is open (issue 45, item 7): the run's end is reported with
+"""A tracking server that goes away while a run is open: the run's end is reported with
 what happened, a refused connection, and the command that closes the run later, not the full disk's words
 ("once the store has room"). Through the real CLI against a real ``mlflow server`` on 127.0.0.1 (its own
 process group, killed by the test; a free port)."""

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing left RUNNING (issue 19): first sweeps racing on a new store, SIGINT and
+"""Nothing lost, nothing left RUNNING: first sweeps racing on a new store, SIGINT and
 SIGTERM mid-job, SIGKILL then ``experiments.close_stale`` (the README's command), SIGKILL then a
 resumed sweep. Real subprocesses; all sweeps of a fixture start at once."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A big sweep's values are checked before any job is composed (issue 45, item 5): through the real CLI, a
+"""A big sweep's values are checked before any job is composed: through the real CLI, a
 1000-value sweep whose last value is bad exits 2 with one line naming it, after a few seconds of CPU
 (before: each job composed and validated in turn, about 0.27 s a job, 267 s before that line), and no
 store opened."""

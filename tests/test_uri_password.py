@@ -1,4 +1,4 @@
-"""A password in the tracking URI is used, and written nowhere (issue 45, item 3): through the real CLI, a
+"""A password in the tracking URI is used, and written nowhere: through the real CLI, a
 decode run and a two-job sweep into a real ``mlflow server`` on 127.0.0.1 (no auth: it takes the login and
 ignores it) with ``tracking.uri=http://admin:<password>@127.0.0.1:<port>``. The password appears in no
 output line, no file the run or Hydra wrote (the job's log, ``.hydra/*.yaml``), none of the server's

@@ -1,4 +1,4 @@
-"""Ablations of NSA's selection and gates (issue 29: why NSA learns needle retrieval slower than dense
+"""Ablations of NSA's selection and gates (why NSA learns needle retrieval slower than dense
 attention), each a switch of ``experiments.train``'s ``train.ablation`` node (:class:`Ablation`), applied
 in training and in evaluation alike. Dense and window attention ignore them.
 

@@ -53,10 +53,10 @@ class TrainConfig:
     # Stages before the main one, each {steps, batch, data: {overrides of the data node}}; the main stage
     # (data, batch) takes the remaining steps. Evaluation always runs on the main stage's task.
     curriculum: tuple = ()
-    # NSA only (dense and window ignore it): issue 29's ablations, experiments/lm/ablations.py; the defaults are
+    # NSA only (dense and window ignore it): the selection and gate ablations, experiments/lm/ablations.py; the defaults are
     # the paper's method. {selection: topn|full|oracle, branches: [a non-empty subset of cmp, sel, win]}
     ablation: Ablation = field(default_factory=Ablation)
-    # NSA only: the training recipe (issue 42), experiments/lm/recipe.py; the defaults are the plain method.
+    # NSA only: the training recipe, experiments/lm/recipe.py; the defaults are the plain method.
     # {gate_lr, sel_loss, sel_loss_rows, sel_loss_steps, sel_loss_detach_q}
     recipe: Recipe = field(default_factory=Recipe)
     # NSA only: at the end of a completed run, the selections of NSA layer selection_layer (an index into the

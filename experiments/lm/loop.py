@@ -202,7 +202,7 @@ def _evaluate_sharded(model, task, cfg: RunConfig, device, autocast, world) -> d
 
 def _added_at_default(key: str, value) -> bool:
     """An ``lm.nsa`` or ``train.ablation`` key that a checkpoint written before NSAConfig / TrainConfig gained
-    the field lacks, here at that field's default (gate_bias, shared_kv, phi_init, ablation; issue 29): the same
+    the field lacks, here at that field's default (gate_bias, shared_kv, phi_init, ablation): the same
     run, no difference."""
     for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation), ("train.recipe.", recipe.Recipe)):
         defaults = {f.name: f.default for f in fields(cls)}

@@ -1,4 +1,4 @@
-"""The training recipe (issue 42): what a training run may add to the paper's NSA without changing the model
+"""The training recipe: what a training run may add to the paper's NSA without changing the model
 that is trained and served. Each ingredient is a field of ``train.recipe`` (:class:`Recipe`), off by default (the
 plain method); dense and window attention ignore it.
 

@@ -1,4 +1,4 @@
-"""What a trained NSA layer selects (issue 42): how much neighbouring queries share, and the selections
+"""What a trained NSA layer selects: how much neighbouring queries share, and the selections
 themselves saved for benchmarks to replay.
 
 * :func:`tile_sharing`: of a tile of ``tile`` consecutive queries, the mean share of the tile's queries that

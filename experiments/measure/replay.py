@@ -1,4 +1,4 @@
-"""Selections of a trained model as a benchmark's block indices (issue 43): ``prefill.indices=<file>``,
+"""Selections of a trained model as a benchmark's block indices: ``prefill.indices=<file>``,
 ``kernels.indices=<file>`` (op=selection).
 
 A run of ``experiments.train ... train.save_selections=true`` saves the blocks one trained NSA layer selects for
