@@ -391,3 +391,29 @@ def test_issue_notes_finds_comments_docstrings_and_yaml(tmp_path):
     assert issue_notes(tmp_path, ("pkg/*.py", "conf/*.yaml")) == [
         "pkg/a.py:1: The cache (issue 12).", "pkg/a.py:2: # see Issue #4", "pkg/a.py:4: Fixed for issues 5, 6.",
         "conf/a.yaml:1: a: 1  # issue 7"]
+
+
+def environment_reads(mods: dict[str, Path]) -> list[str]:
+    """``module:line`` of each ``os.environ`` / ``os.getenv`` / ``os.putenv`` in ``mods``."""
+    out = []
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "os":
+                out.append(f"{name}:{node.lineno}")
+    return sorted(set(out))
+
+
+def test_the_library_reads_its_own_environment_only_in_nsa_env():
+    """nsa/ reads environment variables in nsa/env.py alone, and none of a tracker's or a scheduler's: those are
+    the experiments' (experiments/env.py)."""
+    mods = module_files(("nsa",))
+    assert [r for r in environment_reads(mods) if not r.startswith("nsa.env:")] == []
+    words = {w for path in mods.values() for w in re.findall(r"\b(MLFLOW_\w+|SLURM_\w+|CUDA_VISIBLE_DEVICES)\b",
+                                                             path.read_text())}
+    assert words == set(), words
+
+
+def test_environment_reads_finds_each_form(tmp_path):
+    write(tmp_path, {"pkg/a.py": "import os\nos.environ['A']\nos.getenv('B')\nx = 'os.environ'\n"})
+    assert environment_reads(module_files(("pkg",), tmp_path)) == ["pkg.a:2", "pkg.a:3"]

@@ -25,7 +25,6 @@ from typing import Any
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from nsa import env
 
 from .. import env as launch_env
 from .config import CONF_DIR, groups
@@ -99,7 +98,7 @@ def install_signal_handlers() -> None:
     (submitit's SIGUSR2 handler, its time-limit warning, is kept.)"""
     if threading.current_thread() is not threading.main_thread():
         return
-    slurm = env.slurm_job_id() is not None
+    slurm = launch_env.slurm_job_id() is not None
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
         if signal.getsignal(sig) in (default, _on_signal) or (slurm and sig == signal.SIGTERM):
             signal.signal(sig, _on_signal)

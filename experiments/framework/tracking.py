@@ -33,7 +33,6 @@ import torch
 from omegaconf import DictConfig
 
 import nsa
-from nsa import env
 from nsa.toolchain import check_toolchain
 
 from .. import env as launch_env
@@ -97,7 +96,7 @@ def _remember(printed: str, uri: str) -> None:
     _SECRETS[printed] = uri
     launch_env.export_tracking_logins({printed: uri})
     _hide_in_logs()
-    env.suppress_mlflow_run_urls()
+    launch_env.suppress_mlflow_run_urls()
 
 
 def masked(uri: str) -> str:
@@ -187,8 +186,8 @@ def resolve_uri(t: DictConfig, launch_dir: Path) -> tuple[str, str]:
     ``tracking.credentials`` added for its own server only (:func:`scoped_login`)."""
     if t.get("uri"):
         return scoped_login(masked(str(t.uri)), t.get("credentials"), launch_dir), "tracking.uri"
-    if env.mlflow_tracking_uri():
-        return (scoped_login(masked(env.mlflow_tracking_uri()), t.get("credentials"), launch_dir),
+    if launch_env.mlflow_tracking_uri():
+        return (scoped_login(masked(launch_env.mlflow_tracking_uri()), t.get("credentials"), launch_dir),
                 "MLFLOW_TRACKING_URI")
     if t.get("name") == "server":
         raise ConfigError("tracking=server: set tracking.uri=http://host:port or MLFLOW_TRACKING_URI")
@@ -202,7 +201,7 @@ def close_stale_command(uri: str, rid: str) -> str:
     from urllib.parse import urlsplit, urlunsplit
 
     where = ""
-    if uri != f"{SQLITE}{Path.cwd() / 'mlflow.db'}" or env.mlflow_tracking_uri():
+    if uri != f"{SQLITE}{Path.cwd() / 'mlflow.db'}" or launch_env.mlflow_tracking_uri():
         p = urlsplit(uri)
         bare = urlunsplit(p._replace(netloc=p.netloc.rsplit("@", 1)[-1])) if p.scheme.startswith("http") else uri
         where = f" --tracking-uri {shlex.quote(bare)}"
@@ -228,7 +227,7 @@ def writing(client):
     from mlflow.exceptions import MlflowException
 
     try:
-        with env.mlflow_http_probe(PROBE_TIMEOUT_S) if id(client) in _UNANSWERED else contextlib.nullcontext():
+        with launch_env.mlflow_http_probe(PROBE_TIMEOUT_S) if id(client) in _UNANSWERED else contextlib.nullcontext():
             yield
     except KeyboardInterrupt:  # a signal during a request: what is sent on the way out, one try each
         _UNANSWERED.add(id(client))
@@ -284,12 +283,12 @@ def open_client(uri: str):
         if not any(isinstance(f, _StoreErrorsOnce) for f in db_log.filters):
             db_log.addFilter(_StoreErrorsOnce())
 
-        env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
+        launch_env.limit_mlflow_http(HTTP_RETRIES, HTTP_TIMEOUT_S)
         if uri in _SECRETS:  # a login inherited (NSA_TRACKING_LOGINS): hidden here too
             _hide_in_logs()
-            env.suppress_mlflow_run_urls()
+            launch_env.suppress_mlflow_run_urls()
         try:
-            with _store_lock(uri), env.mlflow_http_probe(PROBE_TIMEOUT_S):
+            with _store_lock(uri), launch_env.mlflow_http_probe(PROBE_TIMEOUT_S):
                 client = MlflowClient(tracking_uri=_SECRETS.get(uri, uri))  # the URI itself, password and all
                 client.search_experiments(max_results=1)  # creates or checks the schema; reaches a server
         except (MlflowException, OSError) as e:
@@ -397,7 +396,7 @@ def process_tags() -> dict[str, str]:
     where set: ``slurm_job_id``, ``cuda_visible_devices``)."""
     pid = os.getpid()
     tags = {"host": platform.node(), "pid": str(pid), "process": f"{pid}:{_process_start(pid)}"}
-    for key, value in (("slurm_job_id", env.slurm_job_id()), ("cuda_visible_devices", env.cuda_visible_devices())):
+    for key, value in (("slurm_job_id", launch_env.slurm_job_id()), ("cuda_visible_devices", launch_env.cuda_visible_devices())):
         if value is not None:
             tags[key] = value
     return tags
@@ -418,7 +417,7 @@ def environment(dev: Device) -> dict:
             "mlflow_version": _version("mlflow"),
             "hydra_version": _version("hydra-core"),
             "nsa_version": nsa.__version__,
-            "toolchain": env.toolchain_id() or check_toolchain(),
+            "toolchain": launch_env.toolchain_id() or check_toolchain(),
             **git_state(),
         })
     return {**_ENV, **process_tags(), "device_type": dev.type, "device_name": dev.name,

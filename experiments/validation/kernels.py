@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-from nsa import env
+from .. import env as launch_env
 
 from .. import progress
 from ..framework.config import REPO
@@ -126,8 +126,8 @@ def run(ctx: Context) -> Check:
     done = out / "progress.txt"
     done.unlink(missing_ok=True)
     with open(log, "w") as f:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env.child_environment(triton_interpret=bool(k.interpreter), pythonpath=str(REPO)),
-                             stdout=f, stderr=subprocess.STDOUT)
+        child = launch_env.child_environment(triton_interpret=bool(k.interpreter), pythonpath=str(REPO))
+        p = subprocess.Popen(cmd, cwd=REPO, env=child, stdout=f, stderr=subprocess.STDOUT)
         rc = follow(p, done, float(k.timeout_s))
     c.files += [p for p in (xml, meta, log) if p.exists()]
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])

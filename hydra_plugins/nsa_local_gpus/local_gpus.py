@@ -42,7 +42,7 @@ def _pin(slots) -> None:
     """Worker initializer: take a GPU id for this process's life. The sweep's process owns the signals:
     a worker ignores SIGINT (a terminal's Ctrl-C reaches the whole process group) and exits at once on
     the SIGTERM the sweep sends it, taking no further job; the sweep ends the runs left RUNNING."""
-    from nsa import env
+    from experiments import env
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_now)
@@ -100,7 +100,7 @@ class LocalGpusLauncher(Launcher):
         import torch
 
         from experiments.framework import cli
-        from nsa import env
+        from experiments import env
 
         self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
         try:
