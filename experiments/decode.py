@@ -62,7 +62,7 @@ from nsa.decode import GraphDecoder, tokens_read
 from nsa.dispatch import BRANCHES
 
 from . import peers
-from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .framework import Charts, Job, Result, check_memory, launch, run_job, should_stop
 from .measure.branches import ForcedBranch, core, ragged_core, selection_indices
 from .measure.dense import dense_attention, dense_attention_ragged, key_mask, math_path
 from .measure.inputs import cache_inputs, fill_cache, fill_per_seq, ragged_inputs
@@ -247,8 +247,8 @@ def _time_step(job: Job, capture: Callable, fn: Callable) -> dict[str, float]:
     """Quantiles of one call of fn: from graphs of decode.graph_reps calls (``capture``) on CUDA, eager on CPU."""
     d, dev = job.cfg.decode, job.device
     if not _graphs(job):
-        return quantiles(time_ms(fn, dev, d.warmup, d.repeats))
-    return graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps)
+        return quantiles(time_ms(fn, dev, d.warmup, d.repeats, should_stop))
+    return graph_ms(capture, fn, dev, d.warmup, d.repeats, d.graph_reps, should_stop)
 
 
 def _place(cache, S: int, L: torch.Tensor | None, k: int) -> None:
@@ -335,7 +335,8 @@ def _measure(job: Job, layer: NSAAttention, L: torch.Tensor | None, timed: list[
     _progress(S, n, n, "dense", times["dense"])
     peer = peers.rows(d.peers, inp, c, dev, tags) if L is None else {}
     for i, (v, p) in enumerate(peer.items(), n + 1):
-        times[v] = quantiles(time_ms(graph_step(p.fn, dev) if _graphs(job) else p.fn, dev, d.warmup, d.repeats))
+        times[v] = quantiles(time_ms(graph_step(p.fn, dev) if _graphs(job) else p.fn, dev, d.warmup, d.repeats,
+                                         should_stop))
         _progress(S, i, i, v, times[v])
     return times, parts, peer
 

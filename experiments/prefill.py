@@ -34,7 +34,7 @@ from nsa import NSAAttention, functional
 from nsa.backends.triton import tuning
 
 from . import peers
-from .framework import Charts, Job, Result, check_memory, launch, run_job
+from .framework import Charts, Job, Result, check_memory, launch, run_job, should_stop
 from .framework.config import tuning_overrides
 from .lm.selections import tile_sharing
 from .measure import replay
@@ -138,9 +138,9 @@ def cp_work(job: Job) -> Result:
         torch.cuda.reset_peak_memory_stats()
     dist.barrier(group=g.group)
     with torch.no_grad():
-        tq = {f"fwd_{k}": v for k, v in quantiles(time_ms(run, dev, p.warmup, p.repeats)).items()}
+        tq = {f"fwd_{k}": v for k, v in quantiles(time_ms(run, dev, p.warmup, p.repeats, should_stop)).items()}
         tq.update({f"allgather_{k}": v for k, v in
-                   quantiles(time_ms(gather, dev, p.warmup, p.repeats)).items()})
+                   quantiles(time_ms(gather, dev, p.warmup, p.repeats, should_stop)).items()})
     if p.backward:
         dout = torch.randn_like(run().detach())
         params = list(layer.parameters())
@@ -151,7 +151,7 @@ def cp_work(job: Job) -> Result:
             run().backward(dout)
 
         tq.update({f"fwd_bwd_{k}": v for k, v in
-                   quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+                   quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats, should_stop)).items()})
     if dev.type == "cuda":
         tq["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     log.info(f"[prefill] seq={S} rank {g.rank}/{g.world}: fwd p50 {tq['fwd_p50_ms']:.3f} ms, all-gather p50 "
@@ -233,7 +233,7 @@ def _work(job: Job) -> Result:
     times, rows, texts = {}, [], {}
     for i, v in enumerate(timed, 1):
         with torch.no_grad():
-            fwd = quantiles(time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats))
+            fwd = quantiles(time_ms(lambda v=v: run(v), dev, p.warmup, p.repeats, should_stop))
         tq = {f"fwd_{k}": x for k, x in fwd.items()}
         if p.backward:
             dout = torch.randn_like(run(v).detach())
@@ -244,7 +244,7 @@ def _work(job: Job) -> Result:
                 run(v).backward(dout)
 
             tq.update({f"fwd_bwd_{k}": x for k, x in
-                       quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats)).items()})
+                       quantiles(time_ms(fwd_bwd, dev, p.warmup, p.repeats, should_stop)).items()})
         times[v] = tq
         if p.profile and v not in dense:
             with torch.no_grad():

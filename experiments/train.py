@@ -38,7 +38,7 @@ from omegaconf import DictConfig
 
 from nsa.numerics import DTYPES
 
-from .framework import Charts, ConfigError, Job, Result, check_memory, launch, run_job
+from .framework import Charts, ConfigError, Job, Result, check_memory, launch, run_job, should_stop
 from .framework.cli import override
 from .framework.config import one_line
 from .framework import parallel
@@ -183,7 +183,8 @@ def work(job: Job) -> Result:
                      + (f" val_loss {metrics['val_loss']:.4f} val_accuracy {metrics['val_accuracy']:.4f}"
                         if "val_loss" in metrics else "") + f", {metrics['tokens_per_s']:.0f} tokens/s")
 
-    out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run_id, logged_through=done, world=world)
+    out = train(cfg, device=job.device, log=log_step, ckpt_dir=ckpt, run_id=run_id, logged_through=done, world=world,
+                should_stop=should_stop)
     if run is None:
         return Result([], {})
     if tc.save_selections and cfg.attention == "nsa" and out["completed"]:

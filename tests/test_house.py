@@ -163,6 +163,18 @@ def test_no_import_cycles_in_nsa_and_experiments():
     assert import_cycles(module_files(("nsa", "experiments"))) == []
 
 
+def test_compute_code_imports_no_framework():
+    """The model, the training loop and the timing (nsa/, experiments/lm, experiments/measure) know nothing of
+    the command line, the tracker or the sweeps: what they need from an entry point (``should_stop``, ``log``)
+    is passed in."""
+    mods = module_files(("nsa", "experiments"))
+    compute = {m: p for m, p in mods.items()
+               if m.split(".")[0] == "nsa" or m.startswith(("experiments.lm", "experiments.measure"))}
+    found = [f"{m}:{line}: {what}" for m, p in compute.items() for line, what, _, _ in imports(m, p, mods)
+             if what.startswith("experiments.framework")]
+    assert found == []
+
+
 MODULE_FUNCTION = re.compile(r"[A-Za-z_]\w*(\.\w+)*:[A-Za-z_]\w*")  # "experiments.train:run_config"
 
 

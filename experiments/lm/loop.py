@@ -57,7 +57,6 @@ from nsa import context_parallel as cpar
 from nsa.numerics import DTYPES
 
 from .. import progress
-from ..framework.cli import raise_if_interrupted
 from ..measure.timing import profiled
 from ..nested import flatten
 from . import ablations, checkpoint, cost, distributed, probes, recipe
@@ -381,14 +380,15 @@ def _shared_step(model, task, tokens, targets, sel_rows, sel_w, cfg: RunConfig, 
 
 
 def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], None], ckpt_dir, run_id: str,
-          logged_through: int = 0, world=None) -> dict:
+          logged_through: int = 0, world=None, should_stop: Callable[[], None] = lambda: None) -> dict:
     """Train ``cfg`` on ``device`` to ``cfg.train.steps`` (or to ``time_limit_s``), resuming from
     ``ckpt_dir`` if it holds a checkpoint. See the module docstring for the callback contract.
     Returns ``{"step", "completed", "metrics" (the last logged), "params" (count_parameters), "profile" (with
     train.profile: the profiler's table of step log_every + 1, if this process ran it; else None), "model" (the
     trained model, on ``device``)}``. ``world`` (:class:`distributed.World`): this process is one rank of a
     training over several (every rank calls ``train`` alike; ``log`` is called on each, rank 0's stores); None:
-    one process."""
+    one process. ``should_stop()`` runs before every step and stops the run by raising (the entry point's: a
+    signal's exception that Python dropped in a finalizer, raised again)."""
     device = torch.device(device)
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id={run_id!r}: must be a non-empty string")
@@ -433,7 +433,7 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     model.train()
     with progress.bar(tc.steps, "train", "step", initial=step, shown=world is None or world.rank == 0) as shown:
         while step < tc.steps:
-            raise_if_interrupted()  # a signal Python dropped (in a finalizer) still stops the run
+            should_stop()
             lr = tc.lr_at(step + 1)
             for group in opt.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before the recipe has none

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..framework.cli import raise_if_interrupted
 
 
 def graph_step(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
@@ -38,15 +37,16 @@ def repeated(fn: Callable[[], object], n: int) -> Callable[[], object]:
 
 
 def graph_ms(capture: Callable, fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-             reps: int) -> dict[str, float]:
+             reps: int, should_stop: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Quantiles of the time of one call of ``fn`` on the GPU: ``capture`` (``graph_step``, or a
     ``GraphDecoder``'s ``graph(...).replay``) takes ``reps`` calls of fn into ONE CUDA graph, each
     replay is timed with CUDA events and divided by reps. A replay costs the host a fixed launch
     (at B=1 on an H200 a graph of one decode kernel replayed in 9.3 or 14.5 us, at random): one call
     per graph measures that launch, reps calls per graph spread it over the calls and leave the GPU's
-    own time. ``single_replay_p50_ms``: the median of graphs of one call (host launch included)."""
-    many = quantiles([t / reps for t in time_ms(capture(repeated(fn, reps)), device, warmup, repeats)])
-    one = quantiles(time_ms(capture(fn), device, warmup, repeats))
+    own time. ``single_replay_p50_ms``: the median of graphs of one call (host launch included); ``should_stop``:
+    as :func:`time_ms`'s."""
+    many = quantiles([t / reps for t in time_ms(capture(repeated(fn, reps)), device, warmup, repeats, should_stop)])
+    one = quantiles(time_ms(capture(fn), device, warmup, repeats, should_stop))
     return {**many, "single_replay_p50_ms": one["p50_ms"]}
 
 
@@ -58,12 +58,14 @@ def decode_launch_tags(decoder) -> dict[str, str]:
     return {f"decode_{k}": str(p[k]) for k in ("pdl", "mode", "prologue")}
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU. A signal
-    that Python dropped (``cli.raise_if_interrupted``) is raised between calls, outside the timed span."""
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+            should_stop: Callable[[], None] = lambda: None) -> list[float]:
+    """Milliseconds per call of fn, one sample per call: CUDA events on GPU, perf_counter on CPU.
+    ``should_stop()`` runs between calls, outside the timed span, and stops the timing by raising (the entry
+    point's: a signal's exception that Python dropped, raised again)."""
     for _ in range(warmup):
         fn()
-        raise_if_interrupted()
+        should_stop()
     out = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -72,14 +74,14 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats
             a.record()
             fn()
             b.record()
-            raise_if_interrupted()
+            should_stop()
         torch.cuda.synchronize(device)
         return [a.elapsed_time(b) for a, b in ev]
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
-        raise_if_interrupted()
+        should_stop()
     return out
 
 

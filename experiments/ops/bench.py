@@ -16,7 +16,7 @@ import torch
 
 from nsa.numerics import rel_l2
 
-from ..framework import Charts, Job, Result
+from ..framework import Charts, Job, Result, should_stop
 from ..measure.timing import quantiles, time_ms
 
 log = logging.getLogger("experiments.kernels")
@@ -86,7 +86,7 @@ class Bench:
             qs = triton.testing.do_bench(fn, warmup=float(self.k.warmup_ms), rep=float(self.k.rep_ms),
                                          quantiles=[0.2, 0.5, 0.8])
             return dict(zip(("p20_ms", "p50_ms", "p80_ms"), map(float, qs)))
-        return quantiles(time_ms(fn, self.dev, 1, int(self.k.cpu_repeats)))
+        return quantiles(time_ms(fn, self.dev, 1, int(self.k.cpu_repeats), should_stop))
 
     def row(self, variant: str, fwd: Callable[[], object], fwd_bwd: Callable[[], object] | None = None, *,
             flop: float | None = None, nbytes: float | None = None, **cols) -> dict:

@@ -27,6 +27,7 @@ from nsa import dispatch, functional, reference
 from nsa.numerics import rel_l2
 
 from ..measure.timing import quantiles, time_ms
+from ..framework import should_stop
 from . import report
 from .core import Check, Context, fmt_ms, seq_label
 from .report import Code, Image, Table, Text
@@ -73,8 +74,8 @@ def measure_window(backend: str, c, S: int, device, dtype, warmup: int, repeats:
         fwd().backward(dout)
 
     with torch.no_grad():
-        t_fwd = quantiles(time_ms(fwd, device, warmup, repeats))["p50_ms"]
-    t_bwd = quantiles(time_ms(fwd_bwd, device, warmup, repeats))["p50_ms"]
+        t_fwd = quantiles(time_ms(fwd, device, warmup, repeats, should_stop))["p50_ms"]
+    t_bwd = quantiles(time_ms(fwd_bwd, device, warmup, repeats, should_stop))["p50_ms"]
     return {"fwd": t_fwd, "fwd_bwd": t_bwd}
 
 

@@ -15,6 +15,7 @@ import tempfile
 import torch
 from omegaconf import OmegaConf
 
+from ..framework import should_stop
 from ..framework.config import CONF_DIR
 from ..lm.config import RunConfig, TrainConfig
 from ..lm.loop import train
@@ -43,7 +44,7 @@ def curve(cfg: RunConfig, device) -> list[dict]:
     logged = []
     with tempfile.TemporaryDirectory() as tmp:
         train(cfg, device=device, log=lambda m, step: logged.append({"step": step, **m}), ckpt_dir=tmp,
-              run_id="validate-train")
+              run_id="validate-train", should_stop=should_stop)
     return logged
 
 
