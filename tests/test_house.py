@@ -291,6 +291,14 @@ def jit_names(tree: ast.Module) -> set[str]:
             and any(ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in n.decorator_list)}
 
 
+def test_triton_kernels_live_under_nsa_backends():
+    """A Triton kernel is the library's (nsa/backends/, beside its reference and the toolchain checks); the
+    experiments and scripts launch them."""
+    found = [m for m, p in module_files().items() if jit_names(ast.parse(p.read_text(), str(p)))
+             and not m.startswith("nsa.backends.")]
+    assert found == []
+
+
 def positional_launches(mods: dict[str, Path], root: Path = REPO) -> list[str]:
     """Every ``kernel[grid](...)`` launch of a Triton kernel (of any module here) with positional arguments."""
     trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}

@@ -1,4 +1,4 @@
-"""The gather floor of the query-outer selected-attention forward (experiments/ops/selection_floor.py): the
+"""The gather floor of the query-outer selected-attention forward (nsa/backends/triton/selection_floor.py): the
 kernel that issues that forward's key/value loads alone must load exactly the selected blocks (its column sums
 against torch's over the same tokens), and count the bytes those loads move. Under the interpreter."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from experiments.ops import selection_floor as floor  # noqa: E402
+from nsa.backends.triton import selection_floor as floor  # noqa: E402
 from nsa.backends.triton import triton_unsupported, tuning  # noqa: E402
 
 pytestmark = [

@@ -9,7 +9,7 @@ query head and token. The kernel family (query-outer or block-outer) is ``tuning
 (auto: block-outer for G < 16, in row chunks at long T).
 
 Row ``gather_floor`` (forward only): the query-outer forward's key/value loads alone
-(``selection_floor``), with the bytes they move: that design's memory bound on this card, whichever
+(``nsa.backends.triton.selection_floor``), with the bytes they move: that design's memory bound on this card, whichever
 family row ``triton`` ran. Row ``flash_nsa`` (with ``kernels.peers``, where importable, on CUDA): the
 strongest public NSA kernel set's ``select_attn`` on the same indices, checked but not held.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from nsa import reference
-from nsa.backends.triton import tuning
+from nsa.backends.triton import selection_floor, tuning
 from nsa.backends.triton.selection import selected_attention
 from nsa.backends.triton.utils import poisoned_outputs
 
@@ -26,7 +26,6 @@ from .. import peers
 from ..lm.selections import tile_sharing
 from ..measure import replay
 from ..measure.tokens import selected_tokens
-from . import selection_floor
 from .bench import Bench, backward_of, leaves
 
 CHUNK = 8192  # queries per chunk of random scores (bounds their memory)

@@ -8,14 +8,12 @@ for a row and head it moves n_valid * l_sel * (Dk + Dv) elements, 512 KiB at the
 it from L2 (neighbouring rows select from the same head's keys). ``op=selection`` times it as row
 ``gather_floor``.
 """
-from __future__ import annotations
-
 import torch
 import triton
 import triton.language as tl
 
-from nsa.backends.triton import tuning
-from nsa.backends.triton.selection import kv_descriptors, tile_meta, sel_tile
+from . import tuning
+from .selection import kv_descriptors, sel_tile, tile_meta
 
 
 @triton.jit
