@@ -34,7 +34,7 @@ from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from nsa.numerics import DTYPES
 
@@ -63,6 +63,9 @@ def run_config(job: Job) -> RunConfig:
     if parallel.torchrun_world() is not None and cfg.attention == "nsa" and cfg.train.save_selections:
         raise ValueError("train.save_selections=true: runs in one process, not under torchrun; resume the checkpoint "
                          "in one process (python -m experiments.train ...) to save them")
+    if cfg.train.eval_positions and int(OmegaConf.select(job.cfg, "parallel.cp", default=1)) > 1:
+        raise ValueError(f"train.eval_positions={cfg.train.eval_positions}: the loss by position is taken on whole rows; "
+                         "not with parallel.cp > 1 (a rank holds part of each sequence)")
     if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
         from .lm.hf import check
         check(cfg.lm, cfg.attention, cfg.train.ablation.selection, cfg.stages()[-1][1].vocab_size)
@@ -157,6 +160,9 @@ def work(job: Job) -> Result:
         ckpt = Path(world.same(str(ckpt)))
     if run is not None:
         run.log_params({f"n_params.{k}": v for k, v in parameter_counts(cfg).items()})
+        main = cfg.stages()[-1][1]
+        if hasattr(main, "fingerprint"):  # a text corpus: which files, how many bytes (they differ between hosts)
+            run.log_params(main.fingerprint())
         if world is not None:
             run.log_params({"world_size": world.size})
     done = max((s for s, _ in run.history("loss")), default=0) if run is not None else 0

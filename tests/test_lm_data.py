@@ -72,7 +72,7 @@ def test_stdlib_corpus_windows_lie_inside_one_held_out_or_trained_file():
             assert any(window in d for d in docs[split]), split  # inside one file of its own split
     val = set(docs["val"])
     assert not val & set(docs["train"])
-    with pytest.raises(ValueError, match=r"data.corpus='wiki': must be one of \('pydoc', 'stdlib'\)"):
+    with pytest.raises(ValueError, match=r"data.corpus='wiki': must be one of \('pydoc', 'stdlib', 'site'\)"):
         Text(seq_len=64, corpus="wiki")
     with pytest.raises(ValueError, match=r"data.seq_len=100000000: the train split of corpus 'stdlib' holds no window"):
         Text(seq_len=100_000_000, corpus="stdlib")

@@ -67,6 +67,8 @@ class TrainConfig:
     # micro-batches per update: each rank's share of the batch in this many forward/backward passes (the same
     # global batch, the gradients summed), where one pass would not fit in memory
     grad_accum: int = 1
+    # held-out loss by position: buckets [0, b), [b, 2b), [2b, 4b), ... up to the context (b this; 0: none)
+    eval_positions: int = 0
 
     def __post_init__(self):
         if isinstance(self.ablation, Mapping):
@@ -79,7 +81,7 @@ class TrainConfig:
             raise ValueError(f"train.recipe={self.recipe!r}: must be a mapping of experiments.lm.recipe.Recipe's fields")
         for f in ("steps", "batch", "log_every", "eval_every", "ckpt_every", "sel_rows", "grad_accum"):
             check_int(f"train.{f}", getattr(self, f), 1)
-        for f in ("warmup", "eval_batches", "gates_open_steps"):
+        for f in ("warmup", "eval_batches", "gates_open_steps", "eval_positions"):
             check_int(f"train.{f}", getattr(self, f), 0)
         for f in ("eval_every", "ckpt_every"):
             if getattr(self, f) % self.log_every:

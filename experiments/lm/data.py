@@ -18,8 +18,9 @@ consumed), stored in the checkpoint, and a resumed run sees the batches an unint
 * :class:`Text`: byte-level language modelling on text that CPython ships: its English documentation
   (``data.corpus=pydoc``: ``pydoc_data.topics``, ~465 KB in 3.11, short topics) or its standard library's
   source files (``data.corpus=stdlib``: one document a file, hundreds longer than 8k bytes, for long-context
-  training), every 8th document held out for validation; training windows are drawn without replacement,
-  reshuffled every epoch.
+  training), every 8th document held out for validation; or the source files of every installed package
+  (``data.corpus=site``: hundreds of MB, a training reads it once; one file in 8 held out by a hash of its
+  path). Training windows are drawn without replacement, reshuffled every epoch.
 """
 from __future__ import annotations
 
@@ -200,7 +201,7 @@ class Needles(_Lookup):
         return (tokens[b] == targets[b, t][:, None]).int().argmax(-1)
 
 
-CORPORA = ("pydoc", "stdlib")
+CORPORA = ("pydoc", "stdlib", "site")
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,21 +223,53 @@ def stdlib_documents() -> tuple[tuple[str, bytes], ...]:
     return tuple(docs)
 
 
-def corpus_documents(corpus: str, split: str, val_stride: int) -> list[bytes]:
-    """The documents of ``corpus`` in ``split``: every ``val_stride``-th one (indices val_stride-1,
-    2*val_stride-1, .. in sorted order) in ``val``, the rest in ``train``. ``pydoc``: the topics of
-    ``pydoc_data.topics`` (CPython's documentation text, short: a median of ~1.7 KB); ``stdlib``:
-    :func:`stdlib_documents`."""
+@functools.lru_cache(maxsize=1)
+def site_documents() -> tuple[tuple[str, bytes], ...]:
+    """The Python source files of the interpreter's installed packages (``sysconfig``'s purelib and platlib
+    folders, ``*.py`` outside ``__pycache__``), ``(relative path, bytes)`` sorted by path: tens of thousands of
+    files, hundreds of MB on a host with torch and its peers (real code, docstrings and comments under their
+    packages' licences), enough that a long training reads it once. Nothing is downloaded; it is what this
+    environment has installed, which the run's fingerprint records (:meth:`Text.fingerprint`)."""
+    import sysconfig
+    from pathlib import Path
+
+    docs = {}
+    for root in sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}):
+        for f in Path(root).rglob("*.py"):
+            rel = f.relative_to(root).as_posix()
+            if "__pycache__" not in f.parts and rel not in docs and f.is_file():
+                docs[rel] = f.read_bytes()
+    return tuple(sorted(docs.items()))
+
+
+def held_out(name: str, val_stride: int) -> bool:
+    """A ``site`` file in the validation split: one in ``val_stride`` by a hash of its path, so that installing or
+    removing a package moves no other file between the splits."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") % val_stride == 0
+
+
+def corpus_files(corpus: str, split: str, val_stride: int) -> list[tuple[str, bytes]]:
+    """The documents of ``corpus`` in ``split``, ``(name, bytes)`` in sorted order. ``pydoc``: the topics of
+    ``pydoc_data.topics`` (CPython's documentation text, short: a median of ~1.7 KB) and ``stdlib``
+    (:func:`stdlib_documents`): every ``val_stride``-th one (indices val_stride-1, 2*val_stride-1, ..) in ``val``,
+    the rest in ``train``; ``site`` (:func:`site_documents`): the files :func:`held_out` names in ``val``."""
     _check_split(split)
     if corpus == "pydoc":
         from pydoc_data.topics import topics
 
-        docs = [topics[k].encode("utf-8") for k in sorted(topics)]
+        docs = [(k, topics[k].encode("utf-8")) for k in sorted(topics)]
     elif corpus == "stdlib":
-        docs = [b for _, b in stdlib_documents()]
+        docs = list(stdlib_documents())
+    elif corpus == "site":
+        return [d for d in site_documents() if held_out(d[0], val_stride) == (split == "val")]
     else:
         raise ValueError(f"data.corpus={corpus!r}: must be one of {CORPORA}")
     return [d for i, d in enumerate(docs) if (i % val_stride == val_stride - 1) == (split == "val")]
+
+
+def corpus_documents(corpus: str, split: str, val_stride: int) -> list[bytes]:
+    """The documents' bytes of :func:`corpus_files`."""
+    return [b for _, b in corpus_files(corpus, split, val_stride)]
 
 
 def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
@@ -246,14 +279,30 @@ def corpus_bytes(split: str, val_stride: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).clone()
 
 
+@functools.lru_cache(maxsize=4)
+def _windows(corpus: str, split: str, val_stride: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split's bytes and the start of each of its windows (made once per process: a run builds its task
+    several times, and ``site``'s bytes are hundreds of MB)."""
+    if corpus == "pydoc":
+        text = corpus_bytes(split, val_stride)
+        return text, torch.arange((len(text) - 1) // seq_len, device="cpu") * seq_len
+    docs = corpus_documents(corpus, split, val_stride)
+    text = torch.frombuffer(bytearray(b"".join(docs)), dtype=torch.uint8).clone()
+    # explicit CPU tensors: a task is also made under torch.device("meta") (loop.parameter_counts)
+    offsets = torch.tensor([0, *(len(d) for d in docs)], device="cpu").cumsum(0)
+    starts = torch.cat([o + torch.arange(max(0, (len(d) - 1) // seq_len), device="cpu") * seq_len
+                        for o, d in zip(offsets.tolist(), docs)])
+    return text, starts
+
+
 @dataclass(frozen=True)
 class Text:
     """Byte-level next-token prediction (vocabulary 256) on a corpus split by document (``corpus``):
-    ``pydoc`` (:func:`corpus_bytes`: the topics joined, windows across them) or ``stdlib``
-    (:func:`stdlib_documents`: windows inside one file each, so every window is one document's; files
-    shorter than a window are left out). A split's windows are non-overlapping ``seq_len + 1``-byte windows;
-    training visits them in a fresh permutation every epoch, validation batch i takes windows i*B.. of one
-    fixed permutation."""
+    ``pydoc`` (:func:`corpus_bytes`: the topics joined, windows across them), ``stdlib``
+    (:func:`stdlib_documents`) or ``site`` (:func:`site_documents`: windows inside one file each, so every window
+    is one document's; files shorter than a window are left out). A split's windows are non-overlapping
+    ``seq_len + 1``-byte windows; training visits them in a fresh permutation every epoch, validation batch i takes
+    windows i*B.. of one fixed permutation."""
 
     # every position is a target
     answers_only: ClassVar[bool] = False
@@ -270,16 +319,7 @@ class Text:
             raise ValueError(f"data.corpus={self.corpus!r}: must be one of {CORPORA}")
         text, starts = {}, {}
         for split in SPLITS:
-            if self.corpus == "pydoc":
-                text[split] = corpus_bytes(split, self.val_stride)
-                starts[split] = torch.arange((len(text[split]) - 1) // self.seq_len, device="cpu") * self.seq_len
-            else:
-                docs = corpus_documents(self.corpus, split, self.val_stride)
-                text[split] = torch.frombuffer(bytearray(b"".join(docs)), dtype=torch.uint8).clone()
-                # explicit CPU tensors: a task is also made under torch.device("meta") (loop.parameter_counts)
-                offsets = torch.tensor([0, *(len(d) for d in docs)], device="cpu").cumsum(0)
-                starts[split] = torch.cat([o + torch.arange(max(0, (len(d) - 1) // self.seq_len), device="cpu") * self.seq_len
-                                           for o, d in zip(offsets.tolist(), docs)])
+            text[split], starts[split] = _windows(self.corpus, split, self.val_stride, self.seq_len)
             if len(starts[split]) == 0:
                 raise ValueError(f"data.seq_len={self.seq_len}: the {split} split of corpus {self.corpus!r} holds no "
                                  f"window of {self.seq_len + 1} bytes")
@@ -292,6 +332,17 @@ class Text:
 
     def windows(self, split: str) -> int:
         return len(self._starts[split])
+
+    def fingerprint(self) -> dict[str, str]:
+        """What the corpus was, per split: its files, bytes and a hash of their names in order (``data_files_train``,
+        ``data_bytes_train``, ``data_names_train``, the same for val), logged as the run's params."""
+        out = {}
+        for split in SPLITS:
+            files = corpus_files(self.corpus, split, self.val_stride)
+            names = hashlib.blake2b("\n".join(n for n, _ in files).encode(), digest_size=8).hexdigest()
+            out.update({f"data_files_{split}": str(len(files)), f"data_bytes_{split}": str(sum(len(b) for _, b in files)),
+                        f"data_names_{split}": names})
+        return out
 
     def batch(self, split: str, index: int, batch_size: int):
         _check_split(split)

@@ -135,17 +135,45 @@ def evaluate(model: LM, task, cfg: RunConfig, device, autocast, world=None) -> d
     tot = {"loss": 0.0, "correct": 0, "n": 0}
     sel = {}
     layers = model.nsa_layers()
+    buckets = position_buckets(task.seq_len, cfg.train.eval_positions)
+    by_pos = torch.zeros(2, len(buckets), dtype=torch.float64)  # (loss sum, targets) per bucket
     for i in range(cfg.train.eval_batches):
         tokens, targets = (t.to(device) for t in task.batch("val", i, cfg.train.batch))
         with probes.layer_inputs(layers) as xs, autocast():
-            loss, correct, n, _ = _loss(model, tokens, targets, task)
+            per, correct, n, _ = _loss(model, tokens, targets, task, reduction="none")
+        loss = per.sum() / n.clamp(min=1)
         tot["loss"] += float(loss) / cfg.train.eval_batches
         tot["correct"] += int(correct)
         tot["n"] += int(n)
+        if buckets:
+            by_pos += _by_position(per.view(targets.shape), targets != IGNORE, buckets)
         if i == 0:
             sel = _selection_quality(layers, xs, targets, task, cfg.train.sel_rows)
     model.train()
-    return _eval_out(tot["loss"], tot["correct"], tot["n"], sel, len(layers))
+    return {**_eval_out(tot["loss"], tot["correct"], tot["n"], sel, len(layers)), **_position_metrics(by_pos, buckets)}
+
+
+def position_buckets(T: int, base: int) -> list[tuple[int, int]]:
+    """``[0, base), [base, 2 base), [2 base, 4 base), ...`` up to ``T`` (the last ends at T); [] for base 0."""
+    if not base:
+        return []
+    edges = [0, base]
+    while edges[-1] < T:
+        edges.append(2 * edges[-1])
+    edges = [e for e in edges if e < T] + [T]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _by_position(per: torch.Tensor, mask: torch.Tensor, buckets) -> torch.Tensor:
+    """(loss sum, targets) in each bucket of positions, float64 on the CPU: ``per`` [B,T] the loss of each target
+    (0 where ``mask`` is false)."""
+    return torch.tensor([[float(per[:, a:b].sum()), float(mask[:, a:b].sum())] for a, b in buckets],
+                        dtype=torch.float64).T
+
+
+def _position_metrics(by_pos: torch.Tensor, buckets) -> dict[str, float]:
+    return {f"val_loss_pos_{a}_{b}": float(by_pos[0, i] / by_pos[1, i]) for i, (a, b) in enumerate(buckets)
+            if by_pos[1, i] > 0}
 
 
 def _selection_quality(layers, xs, targets, task, rows: int) -> dict[str, float]:
@@ -173,13 +201,18 @@ def _evaluate_sharded(model, task, cfg: RunConfig, device, autocast, world) -> d
     model.eval()
     loss, counts, sel = torch.zeros((), dtype=torch.float64, device=device), torch.zeros(2, device=device), {}
     layers = model.nsa_layers()
+    buckets = position_buckets(task.seq_len, tc.eval_positions)  # whole rows on each rank: cp == 1 (train checks)
+    by_pos = torch.zeros(2, len(buckets), dtype=torch.float64)
     for i in range(tc.eval_batches):
         tokens, targets = task.batch("val", i, tc.batch)
         N = max(1, int((targets != IGNORE).sum()))
         for m in range(tc.grad_accum):
             tok, tgt = (world.part(t, m, micro).to(device) for t in (tokens, targets))
             with probes.layer_inputs(layers) as xs, autocast():
-                ce, c, k, _ = _loss(model, tok, tgt, task, cp_group=world.group, reduction="sum")
+                per, c, k, _ = _loss(model, tok, tgt, task, cp_group=world.group, reduction="none")
+            ce = per.sum()
+            if buckets:
+                by_pos += _by_position(per.view(tgt.shape), tgt != IGNORE, buckets)
             loss += ce.double() / N / tc.eval_batches
             counts += torch.stack([c, k]).float()
             if i == 0 and m == 0 and layers:
@@ -196,7 +229,8 @@ def _evaluate_sharded(model, task, cfg: RunConfig, device, autocast, world) -> d
     sums = world.all_sum(torch.cat([loss[None], counts.double(), torch.tensor([sel[k] for k in keys], dtype=torch.float64,
                                                                                 device=device)]))
     sel = {k: float(v) / world.size for k, v in zip(keys, sums[3:])}
-    return _eval_out(float(sums[0]), int(sums[1]), int(sums[2]), sel, len(layers))
+    by_pos = world.all_sum(by_pos.to(device)).cpu() if buckets else by_pos
+    return {**_eval_out(float(sums[0]), int(sums[1]), int(sums[2]), sel, len(layers)), **_position_metrics(by_pos, buckets)}
 
 
 def _added_at_default(key: str, value) -> bool:
@@ -479,6 +513,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
                 continue
             metrics = {**_memory_metrics(device, world), **window.take(world), "lr": lr, "seq_len": task.seq_len,
                        **gates.take(None if world is None else world.all_sum)}
+            if hasattr(task, "windows"):  # a text corpus: the passes over its training windows so far
+                metrics["data_epochs"] = position * batch / task.windows("train")
             if world is not None:
                 metrics["tokens_per_s_per_gpu"] = metrics["tokens_per_s"] / world.size
             if step > logged_through:
