@@ -24,7 +24,7 @@ def compose_train(*overrides):
 def test_groups():
     assert GROUPS == {"lm": ["hf", "small", "smoke"], "attention": ["dense", "nsa", "window"],
                       "data": ["needles", "retrieval", "text"],
-                      "train": ["needles32k", "needles32k_g16", "needles_smoke", "retrieval32k", "retrieval32k_short", "smoke",
+                      "train": ["needles32k", "needles32k_g16", "needles_smoke", "retrieval32k", "retrieval32k_short", "site_smoke", "smoke",
                                 "text8k", "text_smoke"]}
 
 
