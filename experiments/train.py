@@ -42,7 +42,7 @@ from .framework import Charts, ConfigError, Job, Result, check_memory, launch, r
 from .framework.cli import override
 from .framework.config import one_line
 from .framework import parallel
-from .lm import checkpoint, cost, distributed, selections
+from .lm import checkpoint, cost, distributed, grow, selections
 from .lm.config import RunConfig
 from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
@@ -66,6 +66,11 @@ def run_config(job: Job) -> RunConfig:
     if cfg.train.eval_positions and int(OmegaConf.select(job.cfg, "parallel.cp", default=1)) > 1:
         raise ValueError(f"train.eval_positions={cfg.train.eval_positions}: the loss by position is taken on whole rows; "
                          "not with parallel.cp > 1 (a rank holds part of each sequence)")
+    if cfg.train.init_from is not None:  # the dense checkpoint read and checked before any run exists
+        if cfg.lm.hf is not None:
+            raise ValueError(f"train.init_from={cfg.train.init_from}: grows experiments.lm's own model; lm=hf starts from "
+                             "lm.hf.path (a dense folder there is converted)")
+        grow.source(cfg)
     if cfg.lm.hf is not None:  # lm=hf (experiments/lm/hf.py): what it cannot run stops here, exit 2
         from .lm.hf import check
         check(cfg.lm, cfg.attention, cfg.train.ablation.selection, cfg.stages()[-1][1].vocab_size)
@@ -163,6 +168,9 @@ def work(job: Job) -> Result:
         main = cfg.stages()[-1][1]
         if hasattr(main, "fingerprint"):  # a text corpus: which files, how many bytes (they differ between hosts)
             run.log_params(main.fingerprint())
+        if tc.init_from is not None:  # the dense run it grew from
+            src = grow.source(cfg)
+            run.log_params({"init_from_run": src["run_id"], "init_from_step": src["step"], "init_from_file": str(src["path"])})
         if world is not None:
             run.log_params({"world_size": world.size})
     done = max((s for s, _ in run.history("loss")), default=0) if run is not None else 0

@@ -69,6 +69,9 @@ class TrainConfig:
     grad_accum: int = 1
     # held-out loss by position: buckets [0, b), [b, 2b), [2b, 4b), ... up to the context (b this; 0: none)
     eval_positions: int = 0
+    # NSA only: start from a trained dense model of the same shape (a dense run's output folder, its ckpt folder or
+    # last.pt; experiments/lm/grow.py); None: the model's own init
+    init_from: str | None = None
 
     def __post_init__(self):
         if isinstance(self.ablation, Mapping):
@@ -93,6 +96,8 @@ class TrainConfig:
             if v is not None and not math.isfinite(v):  # inf or nan: a run that trains to a NaN loss, or never stops
                 raise ValueError(f"train.{f}={v!r}: must be a finite number"
                                  + (" (null: no time limit)" if f == "time_limit_s" else ""))
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ValueError(f"train.init_from={self.init_from!r}: must be a path (a dense run's folder) or null")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"train.compile={self.compile!r}: must be one of {', '.join(COMPILE_MODES)}")
         if not isinstance(self.save_selections, bool):

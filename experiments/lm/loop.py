@@ -59,7 +59,7 @@ from nsa.numerics import DTYPES
 from .. import progress
 from ..measure.timing import profiled
 from ..nested import flatten
-from . import ablations, checkpoint, cost, distributed, probes, recipe
+from . import ablations, checkpoint, cost, distributed, grow, probes, recipe
 from .config import RunConfig, TrainConfig, check_int
 from .data import IGNORE
 from .model import LM, count_parameters
@@ -436,6 +436,8 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
     torch.manual_seed(cfg.seed)
     stages = cfg.stages()
     model = build_model(cfg, device)  # the same initial weights on every rank (the same seed)
+    if tc.init_from is not None and checkpoint.meta(ckpt_dir) is None:  # a new run grown from a dense one
+        grow.into(model, grow.source(cfg)["state"])
     flops = [cost.step_flops(model, task.seq_len, batch)["total"] for _, task, batch in stages]
     if world is not None:
         distributed.shard(model, world, device, dtype)
