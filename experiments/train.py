@@ -42,7 +42,7 @@ from .framework import Charts, ConfigError, Job, Result, check_memory, launch, r
 from .framework.cli import override
 from .framework.config import one_line
 from .framework import parallel
-from .lm import checkpoint, cost, distributed, grow, selections
+from .lm import checkpoint, cost, distributed, grow, passkey, selections
 from .lm.config import RunConfig
 from .lm.data import make_task
 from .lm.loop import parameter_counts, resumable, train
@@ -63,6 +63,9 @@ def run_config(job: Job) -> RunConfig:
     if parallel.torchrun_world() is not None and cfg.attention == "nsa" and cfg.train.save_selections:
         raise ValueError("train.save_selections=true: runs in one process, not under torchrun; resume the checkpoint "
                          "in one process (python -m experiments.train ...) to save them")
+    if cfg.train.passkey.lengths and (cfg.data["task"] != "text" or parallel.torchrun_world() is not None):
+        raise ValueError(f"train.passkey.lengths={list(cfg.train.passkey.lengths)}: passkey retrieval runs on a text task "
+                         "(data=text) in one process, not under torchrun")
     if cfg.train.eval_positions and int(OmegaConf.select(job.cfg, "parallel.cp", default=1)) > 1:
         raise ValueError(f"train.eval_positions={cfg.train.eval_positions}: the loss by position is taken on whole rows; "
                          "not with parallel.cp > 1 (a rank holds part of each sequence)")
@@ -131,6 +134,23 @@ def headline(job: Job, cfg: RunConfig) -> dict[str, float]:
     if mem:
         out["peak_mem_gib"] = max(v for _, v in mem)
     return out
+
+
+def passkey_grid(job: Job, cfg: RunConfig, model) -> None:
+    """train.passkey: passkey retrieval over lengths x depths at the end of the run (experiments/lm/passkey.py),
+    logged as metrics at the last step and as the heat map ``passkey/heatmap.png``."""
+    tc, dtype = cfg.train, DTYPES[cfg.dtype]
+
+    def autocast():
+        return torch.autocast(job.device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    acc = passkey.grid(model, cfg.stages()[-1][1], tc.passkey, cfg.seed, job.device, autocast)
+    job.run.log_metrics(acc, tc.steps)
+    path = job.out_dir / "passkey" / "heatmap.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    passkey.heatmap(acc, tc.passkey, f"passkey retrieval, {cfg.attention} ({cfg.lm.name}, trained at {job.seq})", path)
+    job.run.log_artifact(path, "passkey")
+    log.info(f"[train] passkey retrieval: {acc['passkey_acc']:.3f} over {len(acc) - 1} cells (passkey/heatmap.png)")
 
 
 def save_selections(job: Job, cfg: RunConfig, model) -> None:
@@ -203,6 +223,8 @@ def work(job: Job) -> Result:
         return Result([], {})
     if tc.save_selections and cfg.attention == "nsa" and out["completed"]:
         save_selections(job, cfg, out["model"])
+    if tc.passkey.lengths and out["completed"]:
+        passkey_grid(job, cfg, out["model"])
     texts = {}
     if out["profile"]:
         texts["profile/train_step.txt"] = out["profile"]

@@ -14,6 +14,7 @@ from nsa import dispatch
 from .ablations import Ablation
 from .data import make_task
 from .model import ATTENTION, LMConfig
+from .passkey import Passkey
 from .recipe import Recipe
 
 TRAIN_DTYPES = ("float32", "bfloat16")  # bfloat16: autocast over float32 weights
@@ -72,12 +73,19 @@ class TrainConfig:
     # NSA only: start from a trained dense model of the same shape (a dense run's output folder, its ckpt folder or
     # last.pt; experiments/lm/grow.py); None: the model's own init
     init_from: str | None = None
+    # at the end of a run on text: passkey retrieval over lengths x depths (experiments/lm/passkey.py); lengths []:
+    # none. {lengths, depths, samples}
+    passkey: Passkey = field(default_factory=Passkey)
 
     def __post_init__(self):
         if isinstance(self.ablation, Mapping):
             object.__setattr__(self, "ablation", build(Ablation, self.ablation, "train.ablation"))
         elif not isinstance(self.ablation, Ablation):
             raise ValueError(f"train.ablation={self.ablation!r}: must be a mapping {{selection, branches}}")
+        if isinstance(self.passkey, Mapping):
+            object.__setattr__(self, "passkey", build(Passkey, self.passkey, "train.passkey"))
+        elif not isinstance(self.passkey, Passkey):
+            raise ValueError(f"train.passkey={self.passkey!r}: must be a mapping {{lengths, depths, samples}}")
         if isinstance(self.recipe, Mapping):
             object.__setattr__(self, "recipe", build(Recipe, self.recipe, "train.recipe"))
         elif not isinstance(self.recipe, Recipe):

@@ -31,6 +31,8 @@ from typing import ClassVar
 
 import torch
 
+from . import passkey
+
 IGNORE = -100
 SPLITS = ("train", "val")
 
@@ -311,12 +313,20 @@ class Text:
     corpus: str = "pydoc"
     seed: int = 0
     task: str = "text"
+    # the share of training rows that carry a passkey (experiments/lm/passkey.py), so that the task is learnt
+    passkey_share: float = 0.0
 
     def __post_init__(self):
         _positive("data", self, ("seq_len",))
         _int_at_least("data.val_stride", self.val_stride, 2)
         if self.corpus not in CORPORA:
             raise ValueError(f"data.corpus={self.corpus!r}: must be one of {CORPORA}")
+        share = self.passkey_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"data.passkey_share={share!r}: must be a number in [0, 1]")
+        if share and self.seq_len < passkey.span():
+            raise ValueError(f"data.passkey_share={share}: data.seq_len={self.seq_len} holds no passkey "
+                             f"({passkey.span()} tokens)")
         text, starts = {}, {}
         for split in SPLITS:
             text[split], starts[split] = _windows(self.corpus, split, self.val_stride, self.seq_len)
@@ -354,7 +364,13 @@ class Text:
         win = torch.stack([perms[i // n if split == "train" else 0][i % n] for i in items])
         idx = self._starts[split][win][:, None] + torch.arange(self.seq_len + 1)
         chunk = self._bytes[split][idx].long()
+        if self.passkey_share and split == "train":
+            passkey.passkey_rows(chunk, self.passkey_share, generator(self.seed, "passkey", index))
         return chunk[:, :-1], chunk[:, 1:]
+
+    def split_bytes(self, split: str) -> torch.Tensor:
+        """The split's text, its documents joined (uint8)."""
+        return self._bytes[split]
 
 
 TASKS = {"retrieval": Retrieval, "needles": Needles, "text": Text}

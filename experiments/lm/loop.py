@@ -59,7 +59,7 @@ from nsa.numerics import DTYPES
 from .. import progress
 from ..measure.timing import profiled
 from ..nested import flatten
-from . import ablations, checkpoint, cost, distributed, grow, probes, recipe
+from . import ablations, checkpoint, cost, data, distributed, grow, passkey, probes, recipe
 from .config import RunConfig, TrainConfig, check_int
 from .data import IGNORE
 from .model import LM, count_parameters
@@ -237,7 +237,8 @@ def _added_at_default(key: str, value) -> bool:
     """An ``lm.nsa`` or ``train.ablation`` key that a checkpoint written before NSAConfig / TrainConfig gained
     the field lacks, here at that field's default (gate_bias, shared_kv, phi_init, ablation): the same
     run, no difference."""
-    for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation), ("train.recipe.", recipe.Recipe)):
+    for prefix, cls in (("lm.nsa.", NSAConfig), ("train.ablation.", ablations.Ablation), ("train.recipe.", recipe.Recipe),
+                        ("train.passkey.", passkey.Passkey), ("train.", TrainConfig), ("data.", data.Text)):
         defaults = {f.name: f.default for f in fields(cls)}
         name = key.removeprefix(prefix)
         if key.startswith(prefix) and name in defaults and _lists(defaults[name]) == value:
