@@ -308,6 +308,31 @@ class GraphDecoder:
             self._pos.add_(1)
         return y
 
+    def step_body(self, x: torch.Tensor) -> torch.Tensor:
+        """One step on the device alone (projections .. o_proj, each row at its device position, which then
+        advances): what a caller captures inside a larger CUDA graph (a whole model's step). The host mirror is
+        the caller's: :meth:`check_room` before, :meth:`advance_host` after each run.
+
+        Arguments:
+            x: (B, 1, dim), the new token of every row.
+        Returns:
+            y: (B, 1, dim).
+        """
+        return self._body(x)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each row's position on the device, ``[B]`` int64 (what the steps read; :meth:`sync_position` sets it)."""
+        return self._pos
+
+    def check_room(self) -> None:
+        """A one-line error where the cache's positions moved outside this decoder or the next step would not fit."""
+        self._check_room()
+
+    def advance_host(self) -> None:
+        """The host mirror (``cache.length`` / ``cache.lengths``) one step on, after a :meth:`step_body` ran."""
+        self._advanced()
+
     def _check_room(self, n=1):
         if self.moved():
             raise RuntimeError("cache.length moved outside this decoder; call sync_position()")

@@ -426,18 +426,18 @@ def _model_path(model, ids, cache, kwargs) -> str | None:
         if ids.device.type != "cuda" or torch.is_grad_enabled() or layers[0].decode_path(like) != "graph":
             return None
         decode = "model_graph"
-    if decode not in MODEL_PATHS:
+    if decode not in MODEL_PATHS or slots_for(cache, len(layers)) is None:
         return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask[:, -1].all()):
+        return None  # a masked new token: the model's forward refuses it in one line
     if torch.is_grad_enabled():
         raise ValueError(f"decode={decode!r}: the model's step records no gradient; run under torch.no_grad() "
                          "(generate does) or convert with decode='module'")
     if decode == "model_graph" and ids.device.type != "cuda":
         raise ValueError("decode='model_graph': CUDA graphs need a CUDA device; decode='model_step' runs the same "
                          "step eager")
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask[:, -1].all()):
-        return None  # a masked new token: the model's forward refuses it in one line
-    return decode if slots_for(cache, len(layers)) is not None else None
+    return decode
 
 
 class NSALlamaForCausalLM(_NSAModel, LlamaForCausalLM):

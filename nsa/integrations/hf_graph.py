@@ -43,7 +43,7 @@ class ModelStep:
         """transformers' base model and head on the static ids, each NSA layer's attention its decoder's step
         (which advances that decoder's device positions)."""
         for attn, dec in zip(self.layers, self.decoders):
-            attn.graph_step = dec._body
+            attn.graph_step = dec.step_body
         try:
             h = self.model.base_model(input_ids=self._ids, use_cache=False).last_hidden_state
             return self.model.lm_head(h)
@@ -54,14 +54,14 @@ class ModelStep:
     def _capture(self) -> None:
         """Two warm-up runs on a side stream (Triton's compilation, cuBLAS's workspaces, the allocator), each
         position put back after, then the capture (which runs nothing)."""
-        saved = [d._pos.clone() for d in self.decoders]
+        saved = [d.positions.clone() for d in self.decoders]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
                 self._body()
                 for d, p in zip(self.decoders, saved):
-                    d._pos.copy_(p)
+                    d.positions.copy_(p)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         self._graph = torch.cuda.CUDAGraph()
@@ -73,7 +73,7 @@ class ModelStep:
         for dec in self.decoders:
             if dec.moved():  # a crop or reset since the last token: the device positions read back
                 dec.sync_position()
-            dec._check_room()
+            dec.check_room()
         self._ids.copy_(ids)
         if self._graph is not None:
             self._graph.replay()
@@ -81,7 +81,7 @@ class ModelStep:
         else:
             logits = self._body()
         for dec in self.decoders:
-            dec._advanced()  # the host mirror of the positions the step advanced on the device
+            dec.advance_host()  # the host mirror of the positions the step advanced on the device
         return logits
 
 
