@@ -820,7 +820,9 @@ for name, uri, experiment_id in stores:
     report = {"runs": [], "errors": []}
     wait_for(workdir / f"go-{name}")  # every writer starts this store at once
     write(mlflow.MlflowClient(tracking_uri=uri), experiment_id, report)
-    (workdir / f"{name}-{worker}.json").write_text(json.dumps(report))
+    tmp = workdir / f"{name}-{worker}.part"  # renamed whole: the reader waits for the name, then reads it
+    tmp.write_text(json.dumps(report))
+    tmp.rename(workdir / f"{name}-{worker}.json")
 '''
 
 

@@ -277,9 +277,11 @@ def test_graph_timing_divides_a_replay_by_the_steps_it_holds(monkeypatch):
         captured.append(fn)
         return fn
 
-    monkeypatch.setattr(timing, "time_ms", lambda fn, device, warmup, repeats: [fn() or 8.0 for _ in range(repeats)])
-    q = graph_ms(capture, lambda: calls.append(1), torch.device("cpu"), 0, 3, reps=4)
-    assert q["p50_ms"] == 2.0 and q["single_replay_p50_ms"] == 8.0
+    stops = []
+    monkeypatch.setattr(timing, "time_ms", lambda fn, device, warmup, repeats, should_stop: [
+        fn() or should_stop() or 8.0 for _ in range(repeats)])
+    q = graph_ms(capture, lambda: calls.append(1), torch.device("cpu"), 0, 3, reps=4, should_stop=lambda: stops.append(1))
+    assert q["p50_ms"] == 2.0 and q["single_replay_p50_ms"] == 8.0 and len(stops) == 6  # passed on to each timing
     assert len(captured) == 2 and len(calls) == 3 * 4 + 3  # 3 replays of 4 calls, 3 of one
 
 

@@ -39,7 +39,8 @@ def groups(_root_: DictConfig) -> str:
 def section(_root_: DictConfig) -> str:
     """This entry point's own section of the config (e.g. ``decode:``), unresolved (``$`` doubled: Hydra
     passes the template through ``string.Template``); mappings below ``DEPTH`` levels are named by their
-    keys, lists are written on one line: a screenful, not validate's every size table."""
+    keys, lists and small mappings of plain values are written on one line: a screenful, not validate's every size
+    table."""
     name = _root_.hydra.job.name
     node = _root_.get(name)
     if node is None:
@@ -61,11 +62,24 @@ def _scalar(v) -> str:
     return str(v)
 
 
+FLOW = 110  # a mapping of plain values is written on one line up to this width
+
+
+def _flow(v: dict) -> str | None:
+    """``{k: v, ...}`` for a mapping of plain values (no mapping inside) that fits in FLOW characters, else None."""
+    if any(isinstance(x, dict) for x in v.values()):
+        return None
+    text = "{" + ", ".join(f"{k}: {_scalar(x)}" for k, x in v.items()) + "}"
+    return text if len(text) <= FLOW else None
+
+
 def _lines(node: dict, depth: int) -> list[str]:
     out = []
     for k, v in node.items():
         pad = "  " * depth
-        if isinstance(v, dict) and depth + 1 >= DEPTH:
+        if isinstance(v, dict) and v and _flow(v) is not None and depth > 0:
+            out.append(f"{pad}{k}: {_flow(v)}")
+        elif isinstance(v, dict) and depth + 1 >= DEPTH:
             out.append(f"{pad}{k}: ... ({', '.join(map(str, v))}; --cfg job shows them)")
         elif isinstance(v, dict):
             out += [f"{pad}{k}:", *_lines(v, depth + 1)]
