@@ -24,6 +24,12 @@ process's command line (which every user of the host reads in ``ps``) within the
 * ``CUDA_VISIBLE_DEVICES`` (:func:`cuda_visible_devices`): the GPUs this process may use (a scheduler
   sets it to the job's own); a run is tagged with it. :func:`pin_cuda_devices` sets it in the workers of
   ``hydra/launcher=local_gpus``, one GPU each.
+* ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (:func:`launch_ranks`): set by
+  torchrun in each rank (or from SLURM's task variables by submitit, :func:`slurm_step`); ``SLURM_STEP_ID``,
+  ``SLURM_PROCID``, ``SLURM_NTASKS`` (:func:`slurm_step`): a task of an ``srun`` step; ``SUBMITIT_EXECUTOR``
+  (:func:`mark_submitit_slurm`).
+* ``TORCHELASTIC_ERROR_FILE`` (:func:`record_elastic_error`): where torchrun reads a failed rank's error, which
+  it prints as the launch's root cause (else a link to its docs, below 30 lines of its own traceback).
 * :func:`child_environment`: this process's environment for a subprocess (``experiments.validate``
   runs the kernel tests in pytest), with ``TRITON_INTERPRET`` set or removed and a ``PYTHONPATH`` first.
 """
@@ -33,6 +39,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 LOGINS = "NSA_TRACKING_LOGINS"
@@ -123,6 +130,42 @@ def cuda_visible_devices() -> str | None:
 def pin_cuda_devices(ids: str) -> None:
     """Set this process's CUDA device list (``hydra/launcher=local_gpus``'s workers, before CUDA starts)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ids
+
+
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
+
+
+def launch_ranks() -> tuple[int, int, int] | None:
+    """(rank, local rank, world size) where torchrun (or submitit from SLURM's tasks) set every variable of
+    env:// rendezvous, else None."""
+    if not all(k in os.environ for k in TORCHRUN_ENV):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def slurm_step() -> int:
+    """The task count of the SLURM job step this process is a task of (SLURM_NTASKS, as submitit reads it), 0
+    outside a step."""
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return 0
+    return int(os.environ.get("SLURM_NTASKS", "1"))
+
+
+def mark_submitit_slurm() -> None:
+    """submitit's jobs carry SUBMITIT_EXECUTOR=slurm; a plain srun's tasks do not, and its
+    TorchDistributedEnvironment needs it."""
+    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")
+
+
+def record_elastic_error(message: str) -> None:
+    """Under torchrun, write this rank's one-line error where torchrun reads it (its error-file format,
+    ``{"message": ...}``), so that its failure summary names the error as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def limit_mlflow_http(max_retries: int, timeout_s: int) -> None:

@@ -15,6 +15,7 @@ import entrypoints
 import pytest
 from entrypoints import documented_torchrun, one_line, runs, start, wait
 
+from experiments import env
 from experiments.framework import parallel
 from experiments.framework.config import ConfigError
 
@@ -107,9 +108,22 @@ def test_misuse_is_one_line_exit_2_and_no_run(tmp_path, args, says):
     assert not (tmp_path / "mlflow.db").exists()  # refused before the store was opened: no run, none RUNNING
 
 
+def test_a_config_error_under_torchrun_is_its_root_cause(tmp_path):
+    """A rank's one-line error is what torchrun's failure summary names as the root cause (the error file it
+    reads), not a link to its docs below its own traceback; refused before a store exists."""
+    rc, out, err = torchrun(tmp_path, "train", "hardware=cpu")
+    root = err.split("Root Cause (first observed failure):", 1)
+    assert rc != 0 and len(root) == 2, err[-3000:]
+    cause = re.search(r"^  traceback : (.*)$", root[1], re.M)
+    assert cause and cause.group(1).startswith("config error: parallel.dp=1 parallel.cp=1: dp x cp = 1 must equal "
+                                               "torchrun's WORLD_SIZE=2"), root[1]
+    assert "exitcode  : 2" in root[1] and "To enable traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()
+
+
 def test_the_rule(monkeypatch):
     """The rule against torchrun's environment (in-process: a torchrun of the wrong size only adds minutes)."""
-    for k in parallel.TORCHRUN_ENV:
+    for k in env.TORCHRUN_ENV:
         monkeypatch.delenv(k, raising=False)
     parallel.check(1, "decode")  # the default, outside torchrun: as before
     with pytest.raises(ConfigError, match="experiments.decode has no context-parallel path"):

@@ -434,6 +434,13 @@ def test_the_library_reads_its_own_environment_only_in_nsa_env():
     assert words == set(), words
 
 
+def test_the_experiments_read_the_environment_only_in_experiments_env():
+    """experiments/ and its Hydra plugins read and set environment variables in experiments/env.py alone
+    (torchrun's ranks, SLURM's tasks, MLflow's and CUDA's variables)."""
+    mods = module_files(("experiments", "hydra_plugins"))
+    assert [r for r in environment_reads(mods) if not r.startswith("experiments.env:")] == []
+
+
 def test_environment_reads_finds_each_form(tmp_path):
     write(tmp_path, {"pkg/a.py": "import os\nos.environ['A']\nos.getenv('B')\nx = 'os.environ'\n"})
     assert environment_reads(module_files(("pkg",), tmp_path)) == ["pkg.a:2", "pkg.a:3"]

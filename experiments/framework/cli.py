@@ -39,6 +39,7 @@ OTHER_CONFIG = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config
 
 def config_exit(msg: str):
     say(f"config error: {msg}")
+    launch_env.record_elastic_error(f"config error: {msg}")  # torchrun's summary names it as the root cause
     raise SystemExit(2)
 
 

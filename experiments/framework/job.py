@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nsa import dispatch
 
+from .. import env
 from ..nested import flatten
 
 from . import cli, parallel, tracking
@@ -240,6 +241,7 @@ def run_job(cfg: DictConfig, entry: str, work: Callable[[Job], Result],
     if parent is None:  # a sweep ends so too, from the sweeper (sweep._finish)
         print(closing(store, rid, out_dir, launch_dir, entry in TIME_FIGURES and job.device.type == "cpu"))
         if status != "FINISHED":
+            env.record_elastic_error(f"{head}: {status}: {err}")
             raise SystemExit(1)
 
 
@@ -415,6 +417,7 @@ def _other_rank(job: Job, entry: str, work: Callable[[Job], Result]) -> None:
         ok = True
     except Exception as e:  # noqa: BLE001  (one line on the console, the traceback in the log file)
         log.error(f"{head}: FAILED: {error_text(e)}", exc_info=True)
+        env.record_elastic_error(f"{head}: FAILED: {error_text(e)}")
     finally:
         parallel.close(ok)
     if not ok:

@@ -19,33 +19,23 @@ its distributed path under torchrun at any world size, one process included (:fu
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from .errors import ConfigError
 
 ENTRIES = ("parity", "prefill", "train")  # the entry points with a context-parallel path
 TRAINS = ("train",)  # and with a data-parallel one (parallel.dp), which runs under torchrun at any world size
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
 
 
 def torchrun_world() -> int | None:
     """WORLD_SIZE where this process is one rank of a launch: started by torchrun (every variable it sets is
     there), or one task of a SLURM step of several (:func:`from_slurm` sets them); else None."""
     from_slurm()
-    if not all(k in os.environ for k in TORCHRUN_ENV):
-        return None
-    return int(os.environ["WORLD_SIZE"])
-
-
-def slurm_step_tasks() -> int:
-    """The task count of the SLURM job step this process is a task of (``srun``; submitit runs each job of
-    ``hydra/launcher=slurm`` as one), 0 outside a step. SLURM_NTASKS, as submitit's JobEnvironment reads it."""
-    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
-        return 0
-    return int(os.environ.get("SLURM_NTASKS", "1"))
+    ranks = env.launch_ranks()
+    return None if ranks is None else ranks[2]
 
 
 def from_slurm() -> None:
@@ -53,14 +43,15 @@ def from_slurm() -> None:
     variables from SLURM's, by submitit (``TorchDistributedEnvironment``): RANK = SLURM_PROCID, WORLD_SIZE =
     SLURM_NTASKS, LOCAL_RANK = SLURM_LOCALID, MASTER_ADDR the step's first host, MASTER_PORT from the job id (the
     same on every task). CUDA_VISIBLE_DEVICES is kept: each rank takes GPU LOCAL_RANK of its host's list."""
-    if slurm_step_tasks() < 2 or all(k in os.environ for k in TORCHRUN_ENV):
+    tasks = env.slurm_step()  # srun's step; submitit runs each job of hydra/launcher=slurm as one
+    if tasks < 2 or env.launch_ranks() is not None:
         return
     try:
         from submitit.helpers import TorchDistributedEnvironment
     except ImportError as e:  # srun of several tasks without the cluster extra
-        raise ConfigError(f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}: the tasks of a SLURM step find each other "
+        raise ConfigError(f"SLURM_NTASKS={tasks}: the tasks of a SLURM step find each other "
                           f"through submitit, of the cluster extra: pip install -e \".[cluster]\"") from e
-    os.environ.setdefault("SUBMITIT_EXECUTOR", "slurm")  # submitit's jobs have it; a plain srun's tasks do not
+    env.mark_submitit_slurm()
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
@@ -76,7 +67,9 @@ def distributed(cfg, entry: str) -> bool:
 
 def rank() -> int:
     """This process's rank under torchrun or SLURM's tasks (0 outside them)."""
-    return int(os.environ.get("RANK", "0")) if torchrun_world() is not None else 0
+    torchrun_world()  # SLURM's tasks exported first
+    ranks = env.launch_ranks()
+    return 0 if ranks is None else ranks[0]
 
 
 def check(cp, entry: str, sweep: bool = False, dp=1, tasks: int = 1) -> None:
@@ -137,7 +130,8 @@ def check_job(cp: int, seq: int, branch: str, device: torch.device | None = None
     gated sum of all three; branch_force times one alone on one device), and on CUDA a GPU of its own per
     rank of this host."""
     if dp * cp > 1 and device is not None and device.type == "cuda":
-        local, n = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        ranks = env.launch_ranks()
+        local, n = (0 if ranks is None else ranks[1]), torch.cuda.device_count()
         if local >= n:
             raise ConfigError(f"parallel.cp={cp}: local rank {local} has no GPU of its own ({n} visible here); "
                               f"torchrun --nproc_per_node at most {n} on this host, one GPU per rank")
@@ -179,7 +173,7 @@ def pin_device() -> None:
     before the config's checks touch CUDA (a backend's availability check on GPU 0 from every rank would
     put a CUDA context of each rank on GPU 0)."""
     if torchrun_world() is not None and torch.cuda.is_available():
-        local = int(os.environ["LOCAL_RANK"])
+        local = env.launch_ranks()[1]
         if local < torch.cuda.device_count():  # else a CUDA job is refused by check_job (one GPU per rank)
             torch.cuda.set_device(local)
 
@@ -190,7 +184,7 @@ def init(device: torch.device) -> Group:
     import torch.distributed as dist
 
     if device.type == "cuda":
-        local = int(os.environ["LOCAL_RANK"])
+        local = env.launch_ranks()[1]
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     else:
