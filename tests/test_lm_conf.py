@@ -25,7 +25,7 @@ def test_groups():
     assert GROUPS == {"lm": ["hf", "small", "smoke"], "attention": ["dense", "nsa", "window"],
                       "data": ["needles", "retrieval", "text"],
                       "train": ["needles32k", "needles32k_g16", "needles_smoke", "passkey_smoke", "retrieval32k",
-                                "retrieval32k_short", "site_smoke", "smoke", "text8k", "text_smoke"]}
+                                "retrieval32k_short", "site_smoke", "smoke", "text32k", "text8k", "text_smoke"]}
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g, opts in GROUPS.items() for o in opts])
