@@ -76,6 +76,12 @@ ONE_LINE = {
                        ["seq=range(1,1000000000): more than 10000 values; a sweep runs at most 10000 jobs"]),
     "sweep_product_too_large": ("decode", ["hardware=cpu", "-m", "seq=range(64,264)", "seed=range(0,100)"],
                                 ["200 seq x 100 seed = 20000 jobs; a sweep runs at most 10000 jobs"]),
+    # two jobs of one value shared a run's row and an output folder; a glob of nothing crashed in the sweeper
+    "sweep_value_twice": ("decode", ["hardware=cpu", "-m", "seq=64,128,64"],
+                          ["seq=64,128,64: seq=64 is listed twice; a sweep runs each value once"]),
+    "sweep_no_value": ("decode", ["hardware=cpu", "-m", "seq=glob(*)"], ["seq=glob(*): sweeps no value"]),
+    "train_seed_past_int64": ("train", ["train=smoke", "seed=99999999999999999999"],
+                              ["seed=99999999999999999999: must be an integer >= 0 (at most 2**63 - 1, torch's int64)"]),
     "bad_decode_preference": ("decode", ["hardware=cpu", "++hardware.policy.by_entry={decode: {win: nope}}"],
                               ["hardware.policy.by_entry.decode.win='nope'", "unknown backend"]),
 }

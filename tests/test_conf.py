@@ -217,7 +217,11 @@ def test_models():
     ("prefill", ["prefill.backward=maybe"], "prefill.backward='maybe': must be true or false"),
     ("parity", ["parity.batch=0"], "parity.batch=0: must be an integer >= 1"),
     ("parity", ["parity.ref_dtype=nosuch"], "parity.ref_dtype='nosuch': one of float64"),
-    ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a number >= 0"),
+    ("parity", ["parity.tol.float32.rel_l2=abc"], "parity.tol.float32.rel_l2='abc': must be a finite number >= 0"),
+    ("parity", ["parity.tol.float32.max_abs=nan"], "parity.tol.float32.max_abs=nan: must be a finite number >= 0"),
+    ("parity", ["parity.tol.float32.max_abs=inf"], "parity.tol.float32.max_abs=inf: must be a finite number >= 0"),
+    # what torch takes: a seed past int64 failed inside torch.manual_seed after the run had started
+    ("decode", ["seed=9223372036854775808"], "seed=9223372036854775808: must be an integer >= 0 (at most 2**63 - 1"),
     ("parity", ["~parity.batch"], "parity.batch: missing"),
     ("prefill", ["prefill.peers=[flax]"], "prefill.peers=['flax']: must be a list of peer names from: fla, flash_nsa"),
     ("decode", ["decode.peers=fla"], "decode.peers='fla': must be a list of peer names from: fla"),

@@ -94,7 +94,8 @@ def error_text(e: BaseException) -> str:
 # Typed keys of each section (checked where the section exists: decode.* only for the decode entry).
 PEERS = ("fla",)  # public NSA kernels with a row in decode (experiments/peers.py)
 PREFILL_PEERS = ("fla", "flash_nsa")  # and in prefill
-_INT0, _INT1, _BOOL, _POSITIVE = "an integer >= 0", "an integer >= 1", "true or false", "a number > 0"
+_INT0, _INT1 = "an integer >= 0 (at most 2**63 - 1, torch's int64)", "an integer >= 1 (at most 2**63 - 1, torch's int64)"
+_BOOL, _POSITIVE = "true or false", "a number > 0"
 _POSITIVE_OR_NULL = "a number > 0, or null (what the device has free)"
 # Timing repeats and times: bounded, so that no value typed makes a job run for days.
 MAX_REPEATS, MAX_MS = 10_000, 60_000
@@ -134,7 +135,7 @@ def valid(v, rule: str) -> bool:
         return (_is_int(v) or isinstance(v, float)) and 0 < v <= (MAX_MS if rule == _MS else math.inf)
     if rule in (_REPEATS0, _REPEATS1):
         return _is_int(v) and (1 if rule == _REPEATS1 else 0) <= v <= MAX_REPEATS
-    return _is_int(v) and v >= (1 if rule == _INT1 else 0)
+    return _is_int(v) and (1 if rule == _INT1 else 0) <= v <= 2**63 - 1
 
 
 def typed_key(cfg: DictConfig, key: str) -> str:
@@ -169,8 +170,8 @@ def check_types(cfg: DictConfig, raw: DictConfig | None = None) -> None:
     for dname, tol in cfg.parity.tol.items():
         for k in TOLERANCES:
             v = tol.get(k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a number >= 0")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ConfigError(f"parity.tol.{dname}.{k}={v!r}: must be a finite number >= 0")
 
 
 def tuning_overrides(cfg: DictConfig) -> dict:

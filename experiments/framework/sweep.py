@@ -18,6 +18,7 @@ written and the store and the parent run could be created (one line, exit 2). Th
 from __future__ import annotations
 
 import contextlib
+import collections
 import itertools
 import json
 import math
@@ -61,6 +62,12 @@ def expand(parser, params: dict, arguments: list[str]) -> list[list[str]]:
             values = list(itertools.islice(o.sweep_string_iterator(), MAX_JOBS + 1))
             if len(values) > MAX_JOBS:
                 raise ConfigError(f"{o.input_line}: more than {MAX_JOBS} values; a sweep runs at most {MAX_JOBS} jobs")
+            if not values:
+                raise ConfigError(f"{o.input_line}: sweeps no value (glob() matched none of the options)")
+            twice = [v for v, n in collections.Counter(values).items() if n > 1]
+            if twice:
+                raise ConfigError(f"{o.input_line}: {key}={twice[0]} is listed twice; a sweep runs each value once "
+                                  "(two jobs would share one run's row and one output folder)")
             lists[key] = [f"{key}={v}" for v in values]
         else:
             lists[key] = [f"{key}={o.get_value_element_as_str()}"]

@@ -152,10 +152,16 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+INT64_MAX = 2**63 - 1  # torch's integers (a seed, a size, a step count) are int64
+
+
 def check_int(name: str, v, lo: int) -> None:
-    """Raises a ValueError naming ``name`` unless ``v`` is an int (not a bool) >= ``lo``."""
+    """Raises a ValueError naming ``name`` unless ``v`` is an int (not a bool) from ``lo`` to what torch
+    takes (int64)."""
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+    if v > INT64_MAX:
+        raise ValueError(f"{name}={v!r}: must be an integer from {lo} to 2**63 - 1 (torch's int64)")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def _check_split(split):
 def _int_at_least(name: str, v, lo: int):
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{name}={v!r}: must be an integer >= {lo}")
+    if v > 2**63 - 1:
+        raise ValueError(f"{name}={v!r}: must be an integer from {lo} to 2**63 - 1 (torch's int64)")
 
 
 def _positive(prefix: str, obj, names):
