@@ -29,6 +29,7 @@ with the command that resumes it.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from pathlib import Path
 
@@ -153,6 +154,16 @@ def passkey_grid(job: Job, cfg: RunConfig, model) -> None:
     log.info(f"[train] passkey retrieval: {acc['passkey_acc']:.3f} over {len(acc) - 1} cells (passkey/heatmap.png)")
 
 
+def trained_tokens(cfg: RunConfig, step: int) -> int:
+    """The tokens of the batches of updates 1..``step``, over the curriculum's stages (``RunConfig.stages``: each
+    stage's last step, task and batch)."""
+    out, start = 0, 0
+    for end, task, batch in cfg.stages():
+        out += max(0, min(step, end) - start) * batch * task.seq_len
+        start = end
+    return out
+
+
 def save_selections(job: Job, cfg: RunConfig, model) -> None:
     """train.save_selections: the trained layer's selections on held-out sequences of train.selection_lengths,
     on the run as ``selections/layer<i>.pt`` with their tile sharing as metrics (``sel_share_T<T>``,
@@ -188,11 +199,18 @@ def work(job: Job) -> Result:
         main = cfg.stages()[-1][1]
         if hasattr(main, "fingerprint"):  # a text corpus: which files, how many bytes (they differ between hosts)
             run.log_params(main.fingerprint())
-        if tc.init_from is not None:  # the dense run it grew from
+    target = tc.loss_target
+    if run is not None:
+        if tc.init_from is not None:  # the dense run it grew from: within 1 % of its held-out loss is the target
             src = grow.source(cfg)
-            run.log_params({"init_from_run": src["run_id"], "init_from_step": src["step"], "init_from_file": str(src["path"])})
+            target = grow.loss_target(cfg, src["val_loss"])
+            run.log_params({"init_from_run": src["run_id"], "init_from_step": src["step"], "init_from_file": str(src["path"]),
+                            "init_from_val_loss": src["val_loss"]})
+        if target is not None:
+            run.log_params({"loss_target_used": target})
         if world is not None:
             run.log_params({"world_size": world.size})
+    reached = bool(run is not None and run.history("steps_to_loss_target"))  # a resumed run logged it already
     done = max((s for s, _ in run.history("loss")), default=0) if run is not None else 0
     run_id = run.id if run is not None else None
     if world is not None:
@@ -211,6 +229,11 @@ def work(job: Job) -> Result:
             return
         # loss first: tracking.log_batch stores it last where a step takes several calls, and a resumed run counts a
         # step as logged by its loss
+        nonlocal reached
+        if target is not None and not reached and metrics.get("val_loss", math.inf) <= target:
+            reached = True  # the first evaluation at or under the target: its step and the tokens trained on so far
+            metrics = {**metrics, "steps_to_loss_target": step, "tokens_to_loss_target": trained_tokens(cfg, step)}
+            log.info(f"[train] step {step}: val_loss {metrics['val_loss']:.4f} <= train.loss_target {target:.4f}")
         run.log_metrics({"loss": metrics["loss"], **metrics}, step)
         if "val_loss" in metrics or step == tc.steps:
             log.info(f"[train] step {step}/{tc.steps}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f}"

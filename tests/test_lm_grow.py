@@ -93,3 +93,34 @@ def test_what_cannot_grow_is_refused_in_one_line_before_any_run(dense, tmp_path)
         rc, out, err = wait(start(tmp_path, "train", *BASE, "train.steps=2", *args, name="g"))
         assert rc == 2 and one_line(err) == [line], err[-2000:]
     assert not (tmp_path / "mlflow.db").exists() or not entrypoints.runs(tmp_path / "mlflow.db", "train")[1]
+
+
+def test_a_grown_run_is_timed_to_within_one_percent_of_the_dense_loss(dense, tmp_path):
+    """Through the CLI: the dense checkpoint records its last held-out loss; a grown run's target is 1.01 x it
+    (``loss_target_used``), and its first evaluation at or under it logs steps_to_loss_target and the tokens trained
+    so far; a fresh NSA run given the same target (``train.loss_target``) and not reaching it in as many steps logs
+    neither."""
+    d, dense_loss = dense
+    assert checkpoint.load(d / "ckpt")["val_loss"] == pytest.approx(dense_loss)
+    steps = ["train.steps=10", "train.eval_every=5", "train.log_every=5", "train.ckpt_every=10", "lm.nsa.phi_init=mean"]
+    (tmp_path / "g").mkdir()
+    (tmp_path / "f").mkdir()
+    target = 1.01 * dense_loss
+    procs = [start(tmp_path / "g", "train", *BASE, *steps, f"train.init_from={d}", name="g"),
+             start(tmp_path / "f", "train", *BASE, *steps, f"train.loss_target={target}", name="f")]
+    for p in procs:
+        rc, _, err = wait(p)
+        assert rc == 0, err[-2000:]
+    c, (grown,) = entrypoints.runs(tmp_path / "g" / "mlflow.db", "train")
+    assert float(grown.data.params["init_from_val_loss"]) == pytest.approx(dense_loss)
+    assert float(grown.data.params["loss_target_used"]) == pytest.approx(target)
+    reached = c.get_metric_history(grown.info.run_id, "steps_to_loss_target")
+    assert len(reached) == 1 and reached[0].value in (5, 10), reached
+    val = {m.step: m.value for m in c.get_metric_history(grown.info.run_id, "val_loss")}
+    assert val[reached[0].value] <= target and all(v > target for s, v in val.items() if s < reached[0].value)
+    tokens = c.get_metric_history(grown.info.run_id, "tokens_to_loss_target")[0].value
+    assert tokens == reached[0].value * 8 * 256  # train=smoke: batch 8 x 256 tokens a step
+    c, (fresh,) = entrypoints.runs(tmp_path / "f" / "mlflow.db", "train")
+    assert float(fresh.data.params["loss_target_used"]) == pytest.approx(target)
+    assert min(m.value for m in c.get_metric_history(fresh.info.run_id, "val_loss")) > target
+    assert not c.get_metric_history(fresh.info.run_id, "steps_to_loss_target")

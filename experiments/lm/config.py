@@ -73,6 +73,10 @@ class TrainConfig:
     # NSA only: start from a trained dense model of the same shape (a dense run's output folder, its ckpt folder or
     # last.pt; experiments/lm/grow.py); None: the model's own init
     init_from: str | None = None
+    # the held-out loss a run is timed to: the first evaluation at or under it logs steps_to_loss_target (its step)
+    # and tokens_to_loss_target; None: none, or for a run grown from a dense one (init_from) 1.01 x the dense
+    # run's last held-out loss (within 1 % of it), which its checkpoint records
+    loss_target: float | None = None
     # at the end of a run on text: passkey retrieval over lengths x depths (experiments/lm/passkey.py); lengths []:
     # none. {lengths, depths, samples}
     passkey: Passkey = field(default_factory=Passkey)
@@ -104,6 +108,9 @@ class TrainConfig:
             if v is not None and not math.isfinite(v):  # inf or nan: a run that trains to a NaN loss, or never stops
                 raise ValueError(f"train.{f}={v!r}: must be a finite number"
                                  + (" (null: no time limit)" if f == "time_limit_s" else ""))
+        v = self.loss_target
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"train.loss_target={v!r}: must be a finite number > 0 (a held-out loss), or null")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ValueError(f"train.init_from={self.init_from!r}: must be a path (a dense run's folder) or null")
         if self.compile not in COMPILE_MODES:

@@ -34,7 +34,8 @@ def _ckpt_dir(path: Path) -> Path:
 
 def source(cfg) -> dict:
     """The dense checkpoint ``cfg.train.init_from`` names, checked against ``cfg`` (one-line ValueErrors naming
-    ``train.init_from``): ``{"path", "state" (its model's state dict, on the CPU), "config", "run_id", "step"}``."""
+    ``train.init_from``): ``{"path", "state" (its model's state dict, on the CPU), "config", "run_id", "step",
+    "val_loss" (its last held-out loss; None where it was never evaluated)}``."""
     where = f"train.init_from={cfg.train.init_from}"
     if cfg.attention != "nsa":
         raise ValueError(f"{where}: grows an NSA model from a dense one; attention={cfg.attention} starts from its own "
@@ -60,7 +61,15 @@ def source(cfg) -> dict:
     if wrong:
         raise ValueError(f"{where}: the dense model's shape differs in {'; '.join(wrong)}")
     return {"path": checkpoint.path(d), "state": state["model"], "config": src, "run_id": state["run_id"],
-            "step": state["step"]}
+            "step": state["step"], "val_loss": state.get("val_loss")}
+
+
+def loss_target(cfg, dense_val_loss: float | None) -> float | None:
+    """The held-out loss a run is timed to (``train.loss_target``): the one set, else for a grown run 1.01 x the
+    dense model's last held-out loss (within 1 % of it), else None."""
+    if cfg.train.loss_target is not None:
+        return float(cfg.train.loss_target)
+    return None if dense_val_loss is None else 1.01 * float(dense_val_loss)
 
 
 def into(model, dense: dict) -> list[str]:

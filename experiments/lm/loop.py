@@ -299,8 +299,8 @@ def _resume(ckpt_dir, cfg: RunConfig, run_id: str, model, opt, device, world) ->
     return state["step"], state["data_position"]
 
 
-def _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world=None):
-    meta = {"run_id": run_id, "step": step, "data_position": position, "config": cfg.to_dict()}
+def _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world=None, val_loss=None):
+    meta = {"run_id": run_id, "step": step, "data_position": position, "config": cfg.to_dict(), "val_loss": val_loss}
     if world is not None:
         checkpoint.save_sharded(ckpt_dir, {**meta, "world": {"dp": world.dp, "cp": world.cp}}, model, opt)
         return
@@ -444,8 +444,10 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
         distributed.shard(model, world, device, dtype)
     opt = optimizer(model, tc)
     found = _resume(ckpt_dir, cfg, run_id, model, opt, device, world)
+    val_loss = None  # the last held-out loss, recorded in each checkpoint (a grown run's target: grow.source)
     if found is not None:
         step, position = found
+        val_loss = (checkpoint.meta(ckpt_dir) or {}).get("val_loss")
     else:
         step, position = 0, 0
         _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world)
@@ -525,13 +527,14 @@ def train(cfg: RunConfig, *, device: torch.device, log: Callable[[dict, int], No
                     gates.active = False
                     metrics.update(evaluate(model, stages[-1][1], cfg, device, autocast, world))
                     gates.active = True
+                    val_loss = metrics["val_loss"]
                 log(metrics, step)
                 last_metrics = metrics
             out_of_time = tc.time_limit_s is not None and time.perf_counter() - t_start > tc.time_limit_s
             if world is not None and tc.time_limit_s is not None:
                 out_of_time = world.same(out_of_time)  # every rank stops at the same step
             if step % tc.ckpt_every == 0 or step == tc.steps or out_of_time:
-                _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world)
+                _save(ckpt_dir, cfg, run_id, step, position, model, opt, device, world, val_loss)
             if out_of_time and step < tc.steps:
                 completed = False
                 break
