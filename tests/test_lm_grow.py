@@ -78,8 +78,12 @@ def test_what_cannot_grow_is_refused_in_one_line_before_any_run(dense, tmp_path)
     nsa_dir = tmp_path / "nsa"
     run(cfg_of("attention=nsa", "train.steps=1", "train.eval_batches=0", "train.log_every=1", "train.ckpt_every=1"),
         nsa_dir, "nsa-run")
+    bad = tmp_path / "bad"  # a whole checkpoint (its digest matches) whose val_loss is no loss
+    state = checkpoint.load(d / "ckpt")
+    checkpoint.save(bad, {k: v for k, v in state.items() if k not in ("format", "digest")} | {"val_loss": "abc"})
     w = "config error: train.init_from="
     cases = [
+        ([f"train.init_from={bad}"], f"{w}{bad}: the checkpoint's val_loss='abc' is not a held-out loss (a finite number > 0)"),
         ([f"train.init_from={d}", "attention=dense"],
          f"{w}{d}: grows an NSA model from a dense one; attention=dense starts from its own init (set attention=nsa)"),
         ([f"train.init_from={tmp_path / 'nope'}"],

@@ -12,6 +12,7 @@ scores up to the selection the dense attention implies. A resumed run reads its 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -60,6 +61,9 @@ def source(cfg) -> dict:
               if ours["nsa"][k] != theirs.get("nsa", {}).get(k)]
     if wrong:
         raise ValueError(f"{where}: the dense model's shape differs in {'; '.join(wrong)}")
+    v = state.get("val_loss")  # None in a checkpoint of a run never evaluated
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+        raise ValueError(f"{where}: the checkpoint's val_loss={v!r} is not a held-out loss (a finite number > 0)")
     return {"path": checkpoint.path(d), "state": state["model"], "config": src, "run_id": state["run_id"],
             "step": state["step"], "val_loss": state.get("val_loss")}
 
