@@ -127,6 +127,9 @@ def test_the_sweeps_view_is_one_run_per_line_named_and_coloured_by_it(tmp_path):
     lines = store.client.get_experiment_by_name("nsa-decode-lines")
     assert page == views.link(lines.experiment_id, parent)
     assert lines.tags["mlflow.experimentKind"] == "custom_model_development"
+    jobs = store.client.get_experiment_by_name("nsa-decode")
+    assert lines.tags["mlflow.note.content"].startswith("The line runs of the sweeps in nsa-decode: one run per line")
+    assert jobs.tags["mlflow.note.content"].startswith("Runs of python -m experiments.decode: one run per job")
     state = json.loads(lines.tags[f"mlflow.sharedViewState.{parent}"])
     runs = store.client.search_runs([lines.experiment_id], filter_string=state["searchFilter"],
                                     order_by=["attributes.start_time DESC"])

@@ -53,6 +53,7 @@ _UNANSWERED: set[int] = set()  # id() of the clients whose server refused or did
 # experiment tag MLflow 3's UI reads (mlflow/server/js: "mlflow.experimentKind"), and the URL parameter
 # that wins over it in 3.17's UI.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+DESCRIPTION = "mlflow.note.content"  # an experiment's description in MLflow's UI
 UI_VIEW = "runs?workflowType=machine_learning&compareRunsMode=CHART"  # the runs' chart view, not GenAI's
 
 
@@ -330,6 +331,16 @@ def artifact_folder(name: str) -> str:
     return f"{safe.lstrip('.') or 'experiment'}_{hashlib.sha1(name.encode()).hexdigest()[:12]}"
 
 
+def describe_experiment(name: str) -> str:
+    """An experiment's description: what its runs are (a sweep's line runs in ``<experiment>-lines``)."""
+    if name.endswith("-lines"):
+        return (f"The line runs of the sweeps in {name[:-len('-lines')]}: one run per line of a sweep's charts (tag "
+                "sweep_parent: the sweep's parent run), which its chart view shows; the jobs' runs are there.")
+    entry = name.removeprefix("nsa-")
+    return (f"Runs of python -m experiments.{entry}: one run per job (its config as params, its figures as metrics, its "
+            "table and charts as artifacts); a sweep's jobs are nested under its parent run.")
+
+
 def _experiment(client, uri: str, name: str, root: str | None) -> str:
     from mlflow.exceptions import MlflowException
 
@@ -339,13 +350,15 @@ def _experiment(client, uri: str, name: str, root: str | None) -> str:
             root = (Path(uri[len(SQLITE):]).parent / "mlruns").resolve().as_uri()
         try:
             return client.create_experiment(name, artifact_location=f"{root}/{artifact_folder(name)}" if root else None,
-                                            tags=EXPERIMENT_KIND)
+                                            tags={**EXPERIMENT_KIND, DESCRIPTION: describe_experiment(name)})
         except MlflowException:  # created meanwhile by another process (a server store: no lock)
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
     if "mlflow.experimentKind" not in exp.tags and exp.lifecycle_stage == "active":
         client.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+    if DESCRIPTION not in exp.tags and exp.lifecycle_stage == "active":  # one made before descriptions, or by MLflow
+        client.set_experiment_tag(exp.experiment_id, DESCRIPTION, describe_experiment(name))
     return exp.experiment_id
 
 
