@@ -10,7 +10,7 @@ import pytest
 from entrypoints import start, wait
 
 
-@pytest.mark.parametrize("key,bad,rule", [("seq", "0", "an integer >= 1"),
+@pytest.mark.parametrize("key,bad,rule", [("seq", "0", "an integer >= 1 (at most 2**63 - 1, torch's int64)"),
                                           ("decode.repeats", "-3", "an integer from 1 to 10000")])
 def test_the_first_bad_value_of_a_thousand_is_reported_at_once(tmp_path, key, bad, rule):
     values = ",".join([*(str(v) for v in range(64, 64 + 999)), bad])
