@@ -41,8 +41,11 @@ from .framework import Charts, Job, Result, check_memory, launch, run_job
 log = logging.getLogger("experiments.generate")
 ARCHS = ("llama", "qwen2", "mistral")
 KINDS = ("nsa", "dense")
-DECODE = ("auto", "model_graph", "model_step", "graph", "step", "module")  # hf.DECODE, checked without the hf extra
+# hf.DECODE, checked without the hf extra
+DECODE = ("auto", "model_graph", "model_compiled", "model_step", "graph", "step", "module")
 DECODE_SAYS = {"model_graph": "one CUDA graph of the whole model's decode step (nsa.integrations.hf_graph.ModelStep)",
+               "model_compiled": "one CUDA graph of the whole model's decode step, transformers' part compiled by "
+                                 "torch.compile first (nsa.integrations.hf_graph)",
                "model_step": "the whole model's decode step eager, each layer's the fused decode kernels",
                "graph": "one CUDA graph of the fused decode step per layer (GraphDecoder.replay)",
                "step": "the fused decode kernels, eager (GraphDecoder.step)",

@@ -68,7 +68,7 @@ def test_the_documented_cpu_sweep_runs_nsa_and_dense_with_their_metrics(tmp_path
     ("generate.lm.arch=gpt2", "generate.lm.arch='gpt2': one of llama, qwen2, mistral"),
     ("attention=window", "attention=window: experiments.generate runs attention=nsa or attention=dense"),
     ("generate.check_dtype=float8", "generate.check_dtype='float8': one of"),
-    ("generate.decode=cuda", "generate.decode='cuda': one of auto, model_graph, model_step, graph, step, module"),
+    ("generate.decode=cuda", "generate.decode='cuda': one of auto, model_graph, model_compiled, model_step, graph, step, module"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key_exit_2_and_no_run(arg, says, tmp_path, template):
     rc, out, err = entrypoints.wait(entrypoints.start(tmp_path, "generate", *TINY, arg, template=template), timeout=300)

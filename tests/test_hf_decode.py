@@ -83,6 +83,28 @@ def test_generate_on_the_fused_decode_step_equals_the_module_path(arch, decode, 
     assert cache.layers[0].nsa_cache.max_len == 96 and cache.layers[0].nsa_cache.length == 37 + 16 - 1
 
 
+def test_the_compiled_model_step_compiles_once_and_equals_the_module_path(monkeypatch):
+    """model_compiled's body (hf_graph.compiled_logits, here on Dynamo's aot_eager backend, eager: a CPU has no CUDA
+    graph): the NSA layers' steps run outside the compiled code, the same tokens as the module path, and a new
+    cache's step, and the one after its growth, reuse what was compiled at the first call (nothing compiles again)."""
+    from torch._dynamo.utils import counters
+
+    from nsa.integrations import hf_graph
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(hf_cache, "_GROW", 16)
+    monkeypatch.setattr(hf_graph, "logits", torch.compile(hf_graph.logits, backend="aot_eager", dynamic=False))
+    step, ref = pair("llama", "model_step")
+    prompt = ids(B=1, T=45)
+    got = greedy(step, prompt, 2)  # compiles at its first token
+    first = counters["stats"]["unique_graphs"]
+    got, want = greedy(step, prompt, 6), greedy(ref, prompt, 6)
+    assert first > 0 and counters["stats"]["unique_graphs"] == first  # the new cache, its growth at token 49: nothing new
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits)) <= TOL
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("decode", ["step", "model_step"])
 def test_crop_and_beam_reorder_on_the_fused_decode_step(decode):
     """A crop moves the positions under the decoder (it reads them back); a beam reorder makes new buffers (a new
@@ -115,8 +137,8 @@ def test_auto_is_the_module_path_on_a_cpu_and_bad_values_are_refused():
     assert {m.self_attn.decode for m in model.model.layers} == {"auto"}
     greedy(model, ids(B=1, T=20), 2)
     assert {m.self_attn.decode_ran for m in model.model.layers} == {"module"}
-    with pytest.raises(ValueError, match=r"^convert: decode='cuda': one of auto, model_graph, model_step, graph, step, "
-                                         r"module$"):
+    with pytest.raises(ValueError, match=r"^convert: decode='cuda': one of auto, model_graph, model_compiled, "
+                                         r"model_step, graph, step, module$"):
         hf.convert(ARCHS["llama"](), decode="cuda", **SETTINGS)
     step = hf.convert(ARCHS["llama"]().float(), backend="triton", decode="step", **SETTINGS)
     cache = transformers.DynamicCache(config=step.config)
@@ -127,7 +149,9 @@ def test_auto_is_the_module_path_on_a_cpu_and_bad_values_are_refused():
     for decode, pattern in [("model_step", r"^decode='model_step': the model's step records no gradient; run under "
                                            r"torch\.no_grad\(\)"),
                             ("model_graph", r"^decode='model_graph': CUDA graphs need a CUDA device; "
-                                            r"decode='model_step' runs the same step eager$")]:
+                                            r"decode='model_step' runs the same step eager$"),
+                            ("model_compiled", r"^decode='model_compiled': CUDA graphs need a CUDA device; "
+                                               r"decode='model_step' runs the same step eager$")]:
         hf.use_backend(step, "triton", decode=decode)
         with pytest.raises(ValueError, match=pattern), torch.set_grad_enabled(decode == "model_step"):
             cached(step, x[:, 20:], cache)

@@ -47,13 +47,15 @@ def prompt(T=700, B=2):
                          generator=torch.Generator("cuda").manual_seed(1))
 
 
-def test_graph_decode_gives_the_reference_tokens_in_float32():
-    g = model(torch.float32, "triton", "auto")
+@pytest.mark.parametrize("decode, ran", [("auto", "model_graph"), ("model_compiled", "model_compiled")])
+def test_graph_decode_gives_the_reference_tokens_in_float32(decode, ran):
+    """Also the compiled step (Inductor's fused norms and MLPs inside the graph), against the reference."""
+    g = model(torch.float32, "triton", decode)
     ref = model(torch.float32, "reference", "module")
     ref.load_state_dict(g.state_dict())
     x = prompt()
     got, want = greedy(g, x, 40), greedy(ref, x, 40)
-    assert {layer.self_attn.decode_ran for layer in g.model.layers} == {"model_graph"}
+    assert {layer.self_attn.decode_ran for layer in g.model.layers} == {ran}
     assert torch.equal(got.sequences, want.sequences)
     diff = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits))
     assert diff <= 1e-3, diff  # float32 kernels (tf32 off) against the reference's float32 ops

@@ -23,7 +23,10 @@ every later token its cached decode step, run as ``decode`` says (:data:`DECODE`
 * ``module``: the layer's own cached forward, ``NSAAttention.forward(x_t, cache)`` (the reference path);
 * ``step``: :class:`nsa.decode.GraphDecoder`'s eager step, the backend's fused decode kernels (``triton``);
 * ``graph``: the same step captured once per layer in a CUDA graph and replayed at every token (GPU);
-* ``auto`` (the default): ``graph`` on a CUDA device where the layer's backend has decode kernels, under
+* ``model_step`` / ``model_graph`` / ``model_compiled``: the whole model's step, each layer's attention its
+  ``GraphDecoder`` step, eager / in one CUDA graph / compiled by ``torch.compile`` and then in one CUDA graph
+  (:mod:`nsa.integrations.hf_graph`; elsewhere, e.g. the prompt, the model's own forward);
+* ``auto`` (the default): ``model_graph`` on a CUDA device where the layer's backend has decode kernels, under
   ``torch.no_grad()`` (as ``generate`` runs), else ``module``. ``NSASelfAttention.decode_ran`` says which ran last.
 
 Without a cache, the whole sequence runs as prefill. A padded batch (``attention_mask`` of 0 at the pads, left
@@ -59,7 +62,7 @@ from ..config import NSAConfig
 from ..decode import DECODE_PATHS
 from ..module import NSAAttention
 from .hf_cache import BUFFERS, NSACacheLayer, cache_layer
-from .hf_graph import MODEL_PATHS, ModelStep, slots_for, step_key
+from .hf_graph import GRAPHED, MODEL_PATHS, ModelStep, layer_step, slots_for, step_key
 
 __all__ = ["ARCHITECTURES", "BUFFERS", "DECODE", "NSACacheLayer", "NSASelfAttention", "SETTINGS", "cache_layer", "convert",
            "dense_config", "from_pretrained", "nsa_config", "use_backend"]
@@ -69,7 +72,8 @@ CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ 
 FROM_MODEL = ("dim", "n_heads", "n_kv_heads", "d_k", "d_v", "rope_base", "qkv_bias", "o_bias")
 SETTINGS = tuple(f.name for f in fields(NSAConfig) if f.name not in FROM_MODEL)
 DECODE = ("auto", *MODEL_PATHS, *DECODE_PATHS[1:])  # how a model runs each new token (the module docstring)
-LAYER_PATH = {"model_graph": "graph", "model_step": "step"}  # a layer's own path where the model's step does not apply
+# a layer's own path where the model's step does not apply
+LAYER_PATH = {"model_graph": "graph", "model_compiled": "graph", "model_step": "step"}
 
 
 def fused_decode(backend, device: torch.device, dtype: torch.dtype) -> bool:
@@ -109,7 +113,7 @@ class NSASelfAttention(nn.Module):
             raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE)}")
         self.layer_idx, self.decode, self.batch = layer_idx, decode, batch or Batch()
         self.decode_ran: str | None = None  # how the last single cached token ran (DECODE's names; None: none yet)
-        self.graph_step = None  # set by hf_graph.ModelStep while it runs the model: this layer's decoder step
+        self.graph_step = None  # set by hf_graph.ModelStep while it runs the model: this layer's GraphDecoder
         self._fused: dict = {}  # (backend, device, dtype) -> fused_decode's answer, asked once, not per token
         self.nsa = NSAAttention(config, backend=backend, fallback=fallback, streams=streams)
 
@@ -119,9 +123,14 @@ class NSASelfAttention(nn.Module):
             return LAYER_PATH.get(self.decode, self.decode)
         if x.device.type != "cuda" or torch.is_grad_enabled():  # the decoder's step records no gradient
             return "module"
-        key = (repr(self.nsa.backend), x.device, x.dtype)
+        return self.fused_path(x.device, x.dtype)
+
+    def fused_path(self, device: torch.device, dtype: torch.dtype) -> str:
+        """``graph`` where the backend has fused decode kernels for ``device`` and ``dtype`` (asked once), else
+        ``module``."""
+        key = (repr(self.nsa.backend), device, dtype)
         if key not in self._fused:
-            self._fused[key] = fused_decode(self.nsa.backend, x.device, x.dtype)
+            self._fused[key] = fused_decode(self.nsa.backend, device, dtype)
         return "graph" if self._fused[key] else "module"
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -129,7 +138,7 @@ class NSASelfAttention(nn.Module):
         """transformers' attention call: ``(NSA's output, None)``; with a cache, the tokens are appended to this
         layer's :class:`NSACacheLayer` and attend to those before them."""
         if self.graph_step is not None:
-            return self.graph_step(hidden_states), None
+            return layer_step(self.graph_step, hidden_states), None
         kv = cache if cache is not None else past_key_values  # transformers 5.24 renamed it `cache`
         if self.batch.real is not None:
             return self._padded(hidden_states, kv), None
@@ -389,55 +398,60 @@ class _NSAModel:
 
 def _forward(dense_cls):
     """``dense_cls.forward``, or, for a decode token where it applies, the whole model's step
-    (:mod:`nsa.integrations.hf_graph`: ``decode`` model_graph / model_step, or auto on a CUDA device whose backend
-    has fused decode kernels). It keeps the dense forward's signature, which ``generate`` reads to choose what it
-    passes (the attention mask among them)."""
+    (:mod:`nsa.integrations.hf_graph`: ``decode`` model_graph / model_compiled / model_step, or auto on a CUDA
+    device whose backend has fused decode kernels). It keeps the dense forward's signature, which ``generate``
+    reads to choose what it passes (the attention mask among them)."""
 
     @functools.wraps(dense_cls.forward)
     def forward(self, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = args[0] if args else kwargs.get("input_ids")
-        path = None if len(args) > 1 else _model_path(self, ids, cache, kwargs)
+        path, slots = (None, None) if len(args) > 1 else _model_path(self, ids, cache, kwargs)
         if path is None:
             return dense_cls.forward(self, *args, **kwargs)
-        slots = slots_for(cache, len(self.base_model.layers))
         step = getattr(cache, "_nsa_model_step", None)
-        if step is None or step.model is not self or step.key != step_key(slots) or step.graph != (path == "model_graph"):
-            step = cache._nsa_model_step = ModelStep(self, slots, graph=path == "model_graph")
-        for layer in step.layers:
-            layer.decode_ran = path
+        graph, compiled = path in GRAPHED, path == "model_compiled"
+        if step is None or step.model is not self or step.key != step_key(slots) or (step.graph, step.compiled) != \
+                (graph, compiled):
+            step = cache._nsa_model_step = ModelStep(self, slots, graph=graph, compiled=compiled)
+        if step.layers[0].decode_ran != path:
+            for layer in step.layers:
+                layer.decode_ran = path
         return CausalLMOutputWithPast(logits=step(ids), **{CACHE_FIELD: cache})
 
     return forward
 
 
-def _model_path(model, ids, cache, kwargs) -> str | None:
-    """How ``model(ids, cache, **kwargs)`` runs as the whole model's step (MODEL_PATHS), or None: transformers'
-    forward (a prompt, a chunk, outputs the step does not give, gradients, a cache without room)."""
+def _model_path(model, ids, cache, kwargs) -> tuple[str | None, list | None]:
+    """How ``model(ids, cache, **kwargs)`` runs as the whole model's step (MODEL_PATHS) and the cache's NSA slots,
+    or (None, None): transformers' forward (a prompt, a chunk, outputs the step does not give, gradients, a cache
+    without room). Per token, so it reads one layer's settings (convert sets them alike) and builds nothing."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or cache is None:
-        return None
+        return None, None
     if any(kwargs.get(k) is not None for k in ("inputs_embeds", "labels")) or \
             any(kwargs.get(k) for k in ("output_attentions", "output_hidden_states")):
-        return None
-    layers = [layer.self_attn for layer in model.base_model.layers]
-    decode = layers[0].decode
+        return None, None
+    body = model.base_model.layers
+    first = body[0].self_attn
+    decode = first.decode
     if decode == "auto":
-        like = torch.empty(0, device=ids.device, dtype=layers[0].nsa.q_proj.weight.dtype)  # the hidden states'
-        if ids.device.type != "cuda" or torch.is_grad_enabled() or layers[0].decode_path(like) != "graph":
-            return None
+        if ids.device.type != "cuda" or torch.is_grad_enabled() or \
+                first.fused_path(ids.device, first.nsa.q_proj.weight.dtype) != "graph":
+            return None, None
         decode = "model_graph"
-    if decode not in MODEL_PATHS or slots_for(cache, len(layers)) is None:
-        return None
+    slots = slots_for(cache, len(body)) if decode in MODEL_PATHS else None
+    if slots is None:
+        return None, None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not bool(mask[:, -1].all()):
-        return None  # a masked new token: the model's forward refuses it in one line
+        return None, None  # a masked new token: the model's forward refuses it in one line
     if torch.is_grad_enabled():
         raise ValueError(f"decode={decode!r}: the model's step records no gradient; run under torch.no_grad() "
                          "(generate does) or convert with decode='module'")
-    if decode == "model_graph" and ids.device.type != "cuda":
-        raise ValueError("decode='model_graph': CUDA graphs need a CUDA device; decode='model_step' runs the same "
+    if decode in GRAPHED and ids.device.type != "cuda":
+        raise ValueError(f"decode={decode!r}: CUDA graphs need a CUDA device; decode='model_step' runs the same "
                          "step eager")
-    return decode
+    return decode, slots
 
 
 class NSALlamaForCausalLM(_NSAModel, LlamaForCausalLM):

@@ -7,6 +7,11 @@ with every NSA layer's attention as its :class:`nsa.decode.GraphDecoder` step (p
 device position, the cache writes, the three branches' decode kernels, the gated sum, ``o_proj``: no host
 positions), and captures that in one CUDA graph (``model_graph``); each later token is one replay and a copy of
 the token ids in. ``model_step`` runs the same function eager (a CPU runs it through the Triton interpreter).
+``model_compiled`` is ``model_graph`` with transformers' part of the step (the norms, the MLPs, the residual adds,
+the head) compiled by ``torch.compile`` first, so that Inductor fuses its elementwise kernels; the NSA layers' steps
+stay out of the compiled code (``torch.compiler.disable``: they are fused kernels already), and the graph of the
+whole step is then captured as for ``model_graph``. It compiles at the first token after a prompt (tens of seconds;
+later caches and processes reuse Inductor's cache).
 
 The step reads each row's position from its decoder, so it serves uniform and ragged (left-padded) caches alike;
 it applies where ``generate`` decodes: one token per row, a cache whose every layer holds NSA tokens and room for
@@ -16,20 +21,23 @@ search), has new buffers: the step is made and captured again for it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .hf_cache import NSACacheLayer
 
-MODEL_PATHS = ("model_graph", "model_step")
+MODEL_PATHS = ("model_graph", "model_compiled", "model_step")
+GRAPHED = ("model_graph", "model_compiled")  # captured in a CUDA graph
 
 
 class ModelStep:
     """One decode token for every row of ``model`` (an NSA causal LM) over the NSA slots ``slots`` of its cache
     (one per decoder layer, filled by the prompt): ``step(ids [B,1]) -> logits [B,1,vocab]``; ``graph``: captured
-    in a CUDA graph and replayed."""
+    in a CUDA graph and replayed; ``compiled``: transformers' part of the body through ``torch.compile``."""
 
-    def __init__(self, model, slots: list[NSACacheLayer], graph: bool):
-        self.model, self.slots, self.graph = model, slots, graph
+    def __init__(self, model, slots: list[NSACacheLayer], graph: bool, compiled: bool = False):
+        self.model, self.slots, self.graph, self.compiled = model, slots, graph, compiled
         self.layers = [layer.self_attn for layer in model.base_model.layers]
         self.decoders = [slot.decoder_for(attn.nsa) for slot, attn in zip(slots, self.layers)]
         self.key = step_key(slots)
@@ -43,10 +51,9 @@ class ModelStep:
         """transformers' base model and head on the static ids, each NSA layer's attention its decoder's step
         (which advances that decoder's device positions)."""
         for attn, dec in zip(self.layers, self.decoders):
-            attn.graph_step = dec.step_body
+            attn.graph_step = dec
         try:
-            h = self.model.base_model(input_ids=self._ids, use_cache=False).last_hidden_state
-            return self.model.lm_head(h)
+            return (compiled_logits() if self.compiled else logits)(self.model, self._ids)
         finally:
             for attn in self.layers:
                 attn.graph_step = None
@@ -73,7 +80,7 @@ class ModelStep:
         for dec in self.decoders:
             if dec.moved():  # a crop or reset since the last token: the device positions read back
                 dec.sync_position()
-            dec.check_room()
+            dec.check_room()  # the longest row has room
         self._ids.copy_(ids)
         if self._graph is not None:
             self._graph.replay()
@@ -83,6 +90,24 @@ class ModelStep:
         for dec in self.decoders:
             dec.advance_host()  # the host mirror of the positions the step advanced on the device
         return logits
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' base model and head on ``ids`` without a cache (each NSA layer runs its ``graph_step``)."""
+    return model.lm_head(model.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+
+
+@functools.cache
+def compiled_logits():
+    """:func:`logits` through ``torch.compile`` (static shapes), made once: Dynamo's guards tell models and
+    batch sizes apart."""
+    return torch.compile(logits, dynamic=False)
+
+
+@torch.compiler.disable
+def layer_step(decoder, x: torch.Tensor) -> torch.Tensor:
+    """An NSA layer's decoder step, outside any compiled code (its fused kernels and device positions)."""
+    return decoder.step_body(x)
 
 
 def step_key(slots: list[NSACacheLayer]) -> tuple:
